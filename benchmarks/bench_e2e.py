@@ -2,7 +2,7 @@
 the four training cases of shared/reference/anchors.md under the measurement protocol, each run
 in its own fresh process.
 
-    python benchmarks/bench_e2e.py [--out-dir DIR] [--steps 10] [--docs docs/bench_e2e.md]
+    python benchmarks/bench_e2e.py [--out-dir DIR] [--steps 10] [--docs FILE] [--only REGEX]
     python benchmarks/bench_e2e.py --from-json DIR/bench_e2e.json   # only redraw the table
 
 Peak = torch.cuda.max_memory_allocated() over the steps; tokens/s over every step after the
@@ -17,6 +17,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,7 @@ def main() -> None:
         "--budget-s", type=float, default=540.0, help="start no new run after this many seconds"
     )
     parser.add_argument("--from-json", type=Path, help="redraw the table from a results file")
+    parser.add_argument("--only", help="regex: run only the cases whose model name matches")
     args = parser.parse_args()
     out_dir = args.out_dir or Path(os.environ.get("OUT") or "bench_out")
     liger = liger_version()
@@ -159,6 +161,8 @@ def main() -> None:
     start = time.monotonic()
     measurements: list[Measurement] = []
     for model, layers, batch, seq in CASES:
+        if args.only and not re.search(args.only, model):
+            continue
         for variant in VARIANTS:
             if variant == "liger" and liger is None:
                 continue

@@ -79,6 +79,9 @@ GRID: list[Config] = [
     Config("gemma-3-1b", 2, 2048),
     Config("gemma-2-2b", 2, 1024),
     Config("phi-3-mini", 2, 1024, layers=4),
+    # Mixture of experts, cut to 2 layers (router, top-k gather, expert matmuls).
+    Config("qwen3-30b-a3b", 2, 1024, layers=2),
+    Config("mixtral-8x7b", 1, 1024, layers=2),
 ]
 
 
@@ -149,7 +152,9 @@ def plan(
         )
         spec = None
     if liger:
-        setup = case.setup.model_copy(update={"kernels": (), "flce_chunk": None})
+        setup = case.setup.model_copy(
+            update={"kernels": (), "flce_chunk": None, "flce_memory_budget": None}
+        )
         case = case.model_copy(
             update={"liger": True, "setup": setup, "case": case_name(case.model, setup, liger=True)}
         )

@@ -7,7 +7,12 @@ contracts. Two modes, both printing JSON:
          the live blocks at the peak, grouped by the Python line that allocated them.
 
     python benchmarks/probe_memory.py saved --device cuda --out saved.json
-    python benchmarks/probe_memory.py peak --model llama-3.2-1b --batch 8 --seq 2048 --out peak.json
+    python benchmarks/probe_memory.py peak --model llama32_1b_b8_s2048 --out peak.json
+    python benchmarks/probe_memory.py peak --model qwen3-0.6b --batch 4 --seq 1024 \
+        --precision amp-bf16 --kernels all --out peak.json
+
+--model is a key of tests/data/reference_h200.json or a catalog name; --kernels (all, or a
+comma list) patches the models with memplan.apply first, in both modes.
 """
 
 from __future__ import annotations
@@ -58,11 +63,24 @@ def build(model_type: str, overrides: dict, dtype: torch.dtype, attn: str, devic
     return model
 
 
+def patch(model, kernels: str | None, flce_chunk: int | None = None) -> None:
+    if not kernels:
+        return
+    import memplan
+
+    names = None if kernels == "all" else kernels.split(",")
+    memplan.apply(model, None, kernels=names, flce_chunk=flce_chunk)
+
+
 def saved_tensors(model, ids, autocast: bool, device: str) -> list[dict]:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     current = ["<top>"]
     hooks = []
     for name, mod in model.named_modules():
+        # Linear layers get no hooks: a hooked down_proj keeps nn.Linear's call (and saves the
+        # product) where memplan's GLU kernel would run it and recompute the product.
+        if isinstance(mod, torch.nn.Linear):
+            continue
         hooks.append(mod.register_forward_pre_hook(lambda m, a, n=name: current.append(n)))
         hooks.append(mod.register_forward_hook(lambda m, a, o: current.pop() and None))
     seen: dict[int, dict] = {}
@@ -88,7 +106,7 @@ def saved_tensors(model, ids, autocast: bool, device: str) -> list[dict]:
     return list(seen.values())
 
 
-def run_saved(device: str) -> dict:
+def run_saved(device: str, kernels: str | None) -> dict:
     result = {}
     batch, seq = 2, 64
     for model_type, overrides in FAMILIES.items():
@@ -101,20 +119,35 @@ def run_saved(device: str) -> dict:
                 key = f"{model_type}/{precision}/{attn}"
                 try:
                     model = build(model_type, overrides, dtype, attn, device)
+                    patch(model, kernels)
                     model.train()
                     ids = torch.randint(0, TINY["vocab_size"], (batch, seq), device=device)
                     result[key] = saved_tensors(model, ids, precision.startswith("amp"), device)
                     del model
                 except Exception as exc:  # a probe: record and go on
                     result[key] = {"error": repr(exc)[:300]}
-    return {"batch": batch, "seq": seq, "tiny": TINY, "families": FAMILIES, "saved": result}
+    return {
+        "batch": batch,
+        "seq": seq,
+        "kernels": kernels,
+        "tiny": TINY,
+        "families": FAMILIES,
+        "saved": result,
+    }
 
 
 def run_peak(args) -> dict:
     with open("tests/data/reference_h200.json") as f:
         reference = json.load(f)
-    case = reference[args.model]
-    cfg_dict = dict(case["config"], model_type=case["model_type"])
+    if args.model in reference:
+        case = reference[args.model]
+        cfg_dict = dict(case["config"], model_type=case["model_type"])
+    else:
+        from memplan.catalog import resolve_model
+
+        spec = resolve_model(args.model)
+        cfg_dict = dict(spec.hf_config)
+        case = {"batch": args.batch, "seq": args.seq, "options": {}}
     args.batch = args.batch or case["batch"]
     args.seq = args.seq or case["seq"]
     args.grad_ckpt = args.grad_ckpt or bool(case["options"].get("grad_ckpt"))
@@ -127,6 +160,7 @@ def run_peak(args) -> dict:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=args.attn)
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
+    patch(model, args.kernels, args.flce_chunk)
     model.train()
     after_model = torch.cuda.memory_allocated()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -205,9 +239,11 @@ def main() -> None:
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--grad-ckpt", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--kernels", help="patch with memplan first: all, or a comma list")
+    ap.add_argument("--flce-chunk", type=int)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    result = run_saved(args.device) if args.mode == "saved" else run_peak(args)
+    result = run_saved(args.device, args.kernels) if args.mode == "saved" else run_peak(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", args.out)

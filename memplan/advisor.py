@@ -11,6 +11,7 @@ from memplan.catalog import resolve_gpu, resolve_model
 from memplan.errors import UsageError
 from memplan.estimators import estimate
 from memplan.estimators import kernel_contracts as kc
+from memplan.estimators.contracts import DtypePlan
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
@@ -80,6 +81,32 @@ def best_kernel_set(supported: Iterable[str]) -> tuple[str, ...]:
 
 def usable_bytes(gpu: Gpu) -> int:
     return int((gpu.memory_bytes - gpu.context_bytes) * ALLOCATOR_MARGIN)
+
+
+def choose_flce(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> dict[str, int | None]:
+    """FLCE's setting, fastest first (a setup update: flce_chunk or flce_memory_budget).
+
+    When the step still fits with it: a memory budget that holds the fp32-accumulator schedule
+    at FLCE_CHUNK_CAP rows (three GEMMs per chunk, dW summed in fp32 inside cuBLAS; the kernel
+    takes a single chunk when all rows fit in the same bytes). Its cost over the two-pass
+    schedule is the fp32 (vocab x hidden) accumulator; its gain, one GEMM of 2 x rows x hidden x
+    vocab FLOP fewer. Otherwise the two-pass schedule at the chunk choose_flce_chunk picks."""
+    tokens = setup.batch * setup.seq
+    proj_bytes = DtypePlan.of(setup.precision).proj
+    accumulates = proj_bytes < 4 and not setup.lora_rank and tokens > FLCE_CHUNK_CAP
+    if accumulates:
+        budget = kc.flce_transient_bytes(
+            tokens,
+            spec.hidden_size,
+            spec.vocab_size,
+            proj_bytes,
+            FLCE_CHUNK_CAP,
+            schedule="one_pass_fp32_acc",
+        )
+        fast = {"flce_chunk": None, "flce_memory_budget": budget}
+        if estimate(spec, setup.model_copy(update=fast), gpu).peak_bytes <= usable_bytes(gpu):
+            return fast
+    return {"flce_chunk": choose_flce_chunk(spec, setup, gpu), "flce_memory_budget": None}
 
 
 def choose_flce_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> int:
@@ -175,13 +202,14 @@ def advise(
     chosen = requested if requested is not None else recommend(options)
     setup = base.model_copy(update={"kernels": chosen})
     if "flce" in chosen and flce_chunk is None:
-        setup = setup.model_copy(update={"flce_chunk": choose_flce_chunk(spec, setup, gpu_spec)})
+        setup = setup.model_copy(update=choose_flce(spec, setup, gpu_spec))
     result = estimate(spec, setup, gpu_spec)
     limit = usable_bytes(gpu_spec)
     fits = result.peak_bytes <= limit
     plan = Plan(
         kernels=chosen,
         flce_chunk=setup.flce_chunk if "flce" in chosen else None,
+        flce_memory_budget=setup.flce_memory_budget if "flce" in chosen else None,
         micro_batch=batch,
         grad_accum=grad_accum,
         grad_checkpointing=grad_checkpointing,
@@ -249,7 +277,9 @@ def suggestions(
     found: list[Suggestion] = []
     tried: list[Suggestion] = []
     for description, change in ladder:
-        trial = setup.model_copy(update={"kernels": kernels, "flce_chunk": None, **change})
+        trial = setup.model_copy(
+            update={"kernels": kernels, "flce_chunk": None, "flce_memory_budget": None, **change}
+        )
         for micro in _divisors_desc(setup.batch):
             candidate = trial.model_copy(update={"batch": micro, "grad_accum": sequences // micro})
             peak = estimate(spec, candidate, gpu).peak_bytes
@@ -275,8 +305,8 @@ def suggestions(
 
 
 def _with_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> TrainSetup:
-    if "flce" in setup.kernels and setup.flce_chunk is None:
-        return setup.model_copy(update={"flce_chunk": choose_flce_chunk(spec, setup, gpu)})
+    if "flce" in setup.kernels and setup.flce_chunk is None and setup.flce_memory_budget is None:
+        return setup.model_copy(update=choose_flce(spec, setup, gpu))
     return setup
 
 

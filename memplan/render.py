@@ -67,6 +67,11 @@ def print_advice(advice: Advice, console: Console | None = None) -> None:
 
     plan = advice.plan
     chunk = f", FLCE chunk {plan.flce_chunk} rows" if plan.flce_chunk else ""
+    if plan.flce_memory_budget:
+        chunk = (
+            f", FLCE memory budget {gib(plan.flce_memory_budget)} (dW accumulated in fp32, "
+            "three GEMMs per chunk)"
+        )
     console.print(f"[bold]Plan:[/bold] kernels {describe_kernels(plan.kernels)}{chunk}.")
     limit = usable_bytes(gpu)
     verdict = "[green]fits[/green]" if advice.fits else "[red]does not fit[/red]"

@@ -24,14 +24,21 @@ KERNEL_NAMES: tuple[str, ...] = (
 
 GIB = 2**30
 
-# The GLU kernel that computes act(gate) * up exactly, by the config's activation name. Exact
-# (erf) "gelu" has none: the original Gemma configs say "gelu", which transformers 5.17 builds as
-# erf GELU and later releases convert to the tanh approximation.
+# The GLU kernel that computes act(gate) * up exactly, by the config's activation name. The
+# original Gemma configs say "gelu", which transformers 5.17 builds as exact (erf) GELU; the
+# patch checks which GELU the module really computes (patching.engine._gelu_approximation).
 GLU_KERNEL_BY_ACTIVATION: dict[str, str] = {
     "silu": "swiglu",
     "swish": "swiglu",
     "gelu_pytorch_tanh": "geglu",
     "gelu_new": "geglu",
+    "gelu": "geglu",  # exact (erf) GELU: the kernel's approximate="none"
+}
+# F.gelu's approximate argument for each GELU activation name (transformers' ACT2FN).
+GELU_APPROXIMATION: dict[str, str] = {
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_new": "tanh",
+    "gelu": "none",
 }
 
 
@@ -89,6 +96,9 @@ class TrainSetup(BaseModel):
     grad_accum: int = Field(default=1, gt=0)
     kernels: tuple[str, ...] = ()
     flce_chunk: int | None = Field(default=None, gt=0)
+    # Bytes FLCE may hold beyond its outputs; it then picks its chunk and schedule itself
+    # (kernel_contracts.flce_chunk_for_budget). Exclusive with flce_chunk.
+    flce_memory_budget: int | None = Field(default=None, gt=0)
 
 
 class Gpu(BaseModel):
@@ -125,6 +135,7 @@ class Plan(BaseModel):
 
     kernels: tuple[str, ...] = ()
     flce_chunk: int | None = None
+    flce_memory_budget: int | None = None
     micro_batch: int | None = None
     grad_accum: int = 1
     grad_checkpointing: bool = False

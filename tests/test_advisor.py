@@ -51,8 +51,8 @@ def test_kernel_parsing() -> None:
     assert parse_kernels("auto", gemma) is None
     assert parse_kernels("none", gemma) == ()
     assert parse_kernels("all", gemma) == ("rms_norm", "rope", "geglu", "flce")
-    # The original Gemma's "gelu" is exact GELU in transformers 5.17: no tanh GLU kernel.
-    assert "geglu" not in supported_kernels(resolve_model("gemma-7b"))
+    # The original Gemma's "gelu" (exact GELU in transformers 5.17) gets geglu's exact variant.
+    assert "geglu" in supported_kernels(resolve_model("gemma-7b"))
     assert parse_kernels("flce,rms_norm", gemma) == ("rms_norm", "flce")
     with pytest.raises(UsageError, match="unknown kernel"):
         parse_kernels("rmsnorm", gemma)

@@ -147,3 +147,33 @@ def test_patched_model_matches_autograd_on_cpu(model_type, kernels, precision) -
     assert_saved(
         model_type, forward_saved(spec, setup, backend="cpu", rounded=False).total, measured
     )
+
+
+KERNEL_PROBE = json.loads(
+    (Path(__file__).parent / "data" / "saved_cuda_probe_kernels.json").read_text()
+)
+
+
+@pytest.mark.parametrize("case", sorted(KERNEL_PROBE["saved"]))
+def test_patched_model_matches_h200_probe(case: str) -> None:
+    """memplan.apply with every kernel the family supports (FLCE for the loss), recorded on an
+    H200 by `probe_memory.py saved --kernels all`: bf16, fp32 and autocast, SDPA and eager."""
+    from memplan.advisor import best_kernel_set, supported_kernels
+
+    measured = KERNEL_PROBE["saved"][case]
+    if isinstance(measured, dict):
+        pytest.skip(f"the probe could not run this case on the GPU: {measured['error'][:80]}")
+    model_type, precision, attn = case.split("/")
+    if model_type in MOE and precision.startswith("amp"):
+        pytest.skip("autocast copies only the experts that got tokens: all at real sizes")
+    overrides = {**KERNEL_PROBE["tiny"], **KERNEL_PROBE["families"][model_type]}
+    spec = spec_from_config(AutoConfig.for_model(model_type, **overrides).to_dict())
+    setup = TrainSetup(
+        batch=KERNEL_PROBE["batch"],
+        seq=KERNEL_PROBE["seq"],
+        precision=precision,
+        attn=attn,
+        kernels=best_kernel_set(supported_kernels(spec)),
+    )
+    expected = forward_saved(spec, setup, backend="cuda", rounded=False).total
+    assert_saved(model_type, expected, sum(t["nbytes"] for t in measured))

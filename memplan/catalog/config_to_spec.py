@@ -292,9 +292,8 @@ def _positive_int(cfg: dict[str, Any], key: str) -> int:
 
 def _activation(model_type: str, family: dict[str, Any], cfg: dict[str, Any]) -> str:
     act = cfg.get(family.get("act_key", "hidden_act"))
-    # The original Gemma releases say "gelu". transformers 5.17 builds exact (erf) GELU from it,
-    # later releases convert it to the tanh approximation: kept as given, so that no tanh kernel
-    # (geglu) is planned for a model that may run erf.
+    # The original Gemma releases say "gelu", which transformers 5.17 builds as exact (erf)
+    # GELU: kept as given (geglu with approximate="none"; the patch checks the module's act_fn).
     if not isinstance(act, str):
         raise MemplanError(f"the model config's activation must be a string, got {act!r}")
     return act

@@ -179,7 +179,11 @@ def mlp_saved(ctx: LayerContext, out: Saved) -> None:
     else:
         out.add("mlp.gate_up", 2 * p * inter)  # gate for the activation, up for the product
         out.add("mlp.act", p * inter)
-    if ctx.trainable_base or "down_proj" in ctx.setup.lora_targets:
+    down_adapted = ctx.setup.lora_rank is not None and "down_proj" in ctx.setup.lora_targets
+    # The GLU kernel runs a plain down_proj itself and recomputes the product in backward
+    # (memplan.kernels._glu.recompute_product); autocast and adapters keep nn.Linear's call.
+    recomputed = glu in ctx.kernels and not ctx.dtypes.autocast and not down_adapted
+    if (ctx.trainable_base or down_adapted) and not recomputed:
         out.add("mlp.down_in", p * inter)
 
 

@@ -5,13 +5,20 @@ Both kernels take (gate, up, out) rows with their row strides for the forward, a
 up, d_gate, d_up) for the backward, on a 2-d grid of (ROWS x BLOCK) tiles. Only gate and up are
 saved; backward recomputes the activation. With `in_place_backward` the two gradients overwrite
 the saved gate and up buffers (as Liger-Kernel does), so backward allocates nothing; that is
-wrong if gate or up is read again after this backward (retain_graph, or a shared tensor)."""
+wrong if gate or up is read again after this backward (retain_graph, or a shared tensor).
+
+Given the `down` projection, the op computes down(act(gate) * up) and does not keep the product
+for down's weight gradient: backward recomputes it from the saved gate and up (one elementwise
+pass) instead of holding rows x intermediate values per layer from forward to backward. Its
+transient memory is what nn.Linear's backward allocates anyway (one rows x intermediate
+buffer, first the product, then d_product in the same place)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from memplan.errors import UsageError
@@ -22,10 +29,11 @@ class GluOp:
     """One gated activation: `forward(gate, up)`, `backward(dout, gate, up)` and the fused,
     differentiable `__call__(gate, up, in_place_backward=...)`, registered as memplan::{name}."""
 
-    def __init__(self, name: str, forward_kernel, backward_kernel) -> None:
+    def __init__(self, name: str, forward_kernel, backward_kernel, **constants) -> None:
         self.name = name
         self.forward_kernel = forward_kernel
         self.backward_kernel = backward_kernel
+        self.constants = constants  # extra constexpr arguments of both kernels
         self._register()
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -49,6 +57,7 @@ class GluOp:
                 ROWS=rows,
                 BLOCK=block,
                 num_warps=num_warps,
+                **self.constants,
             )
         return out
 
@@ -90,6 +99,7 @@ class GluOp:
                 ROWS=rows,
                 BLOCK=block,
                 num_warps=num_warps,
+                **self.constants,
             )
         return dgate, dup
 
@@ -142,19 +152,72 @@ class GluOp:
 
             backward = staticmethod(gradients)
 
-        self._custom, self._function = custom, Function
+        class DownFunction(torch.autograd.Function):
+            """down(act(gate) * up) saving gate and up, not the product."""
+
+            @staticmethod
+            def forward(ctx, gate, up, weight, bias, in_place_backward):
+                ctx.save_for_backward(gate, up, weight)
+                ctx.in_place_backward = in_place_backward
+                ctx.has_bias = bias is not None
+                return F.linear(forward(gate, up), weight, bias)
+
+            @staticmethod
+            def backward(ctx, d_out):
+                gate, up, weight = ctx.saved_tensors
+                d_weight = d_bias = None
+                d_rows = d_out.reshape(-1, d_out.shape[-1])
+                if ctx.needs_input_grad[3]:
+                    d_bias = d_rows.sum(0)
+                product = forward(gate, up)
+                if ctx.needs_input_grad[2]:
+                    d_weight = d_rows.t().mm(product.view(-1, product.shape[-1]))
+                torch.matmul(d_out, weight, out=product)  # d_product takes the product's place
+                if ctx.in_place_backward and gate.is_contiguous() and up.is_contiguous():
+                    backward(product, gate, up, dgate=gate, dup=up)
+                    d_gate, d_up = gate.view(gate.shape), up.view(up.shape)
+                else:
+                    d_gate, d_up = backward(product, gate, up)
+                return d_gate, d_up, d_weight, d_bias, None
+
+        self._custom, self._function, self._down_function = custom, Function, DownFunction
 
     def __call__(
-        self, gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        *,
+        in_place_backward: bool = False,
+        down: torch.nn.Module | None = None,
     ) -> torch.Tensor:
         if gate.shape != up.shape or gate.dtype != up.dtype:
             raise UsageError(
                 f"{self.name} needs gate and up of one shape and dtype, got "
                 f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}."
             )
+        if down is not None and recompute_product(down, gate):
+            return self._down_function.apply(gate, up, down.weight, down.bias, in_place_backward)
         if use_custom_op(gate):
-            return self._custom(gate, up, in_place_backward)
-        return self._function.apply(gate, up, in_place_backward)
+            product = self._custom(gate, up, in_place_backward)
+        else:
+            product = self._function.apply(gate, up, in_place_backward)
+        return product if down is None else down(product)
+
+
+def recompute_product(down: torch.nn.Module, gate: torch.Tensor) -> bool:
+    """Whether `down` can run inside the op, with the product recomputed in backward: a plain
+    nn.Linear without hooks (PEFT adapters, FSDP's unshard hooks and the like keep their own
+    call) whose weight matches gate's dtype, on eager tensors (torch.compile traces the custom
+    ops) and outside autocast (which would cast inside nn.Linear)."""
+    return (
+        type(down) is torch.nn.Linear
+        and not (down._forward_hooks or down._forward_pre_hooks)
+        and not (torch.nn.modules.module._global_forward_hooks)
+        and not (torch.nn.modules.module._global_forward_pre_hooks)
+        and down.weight.dtype == gate.dtype
+        and not use_custom_op(gate)
+        and not torch.is_autocast_enabled(gate.device.type)
+    )
 
 
 class GatedMLP(torch.nn.Module):
@@ -171,4 +234,4 @@ class GatedMLP(torch.nn.Module):
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
+        return self.glu(self.gate_proj(x), self.up_proj(x), down=self.down_proj)

@@ -1,11 +1,17 @@
-"""GeGLU: out = gelu_tanh(gate) * up, the gated MLP of Gemma-family models (hidden_activation
-"gelu_pytorch_tanh"), gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2/pi).
+"""GeGLU: out = gelu(gate) * up, the gated MLP of Gemma-family models, with GELU's tanh
+approximation (hidden_activation "gelu_pytorch_tanh": Gemma 2 and 3) or exact (the original
+Gemma's "gelu", which transformers 5 builds as erf GELU).
+
+tanh: gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2/pi). With
+z = c (g + 0.044715 g^3) and 0.5 (1 + tanh(z)) = sigmoid(2z) = s (no cancellation for large |z|,
+and no tanh needed, which Triton versions spell differently):
+    gelu_tanh(g) = g s,   gelu_tanh'(g) = s + 2 g s (1 - s) c (1 + 3 * 0.044715 g^2)
+exact: gelu(g) = g Phi(g), Phi(g) = 0.5 (1 + erf(g / sqrt(2))), gelu'(g) = Phi(g) + g phi(g),
+phi(g) = exp(-g^2 / 2) / sqrt(2 pi).
+    d_gate = d_out * up * gelu'(gate),   d_up = d_out * gelu(gate)
 
 Forward fused, fp32 math inside, output in the input dtype. Only gate and up are saved; backward
-recomputes the activation. With z = c (g + 0.044715 g^3) and 0.5 (1 + tanh(z)) = sigmoid(2z) = s
-(no cancellation for large |z|, and no tanh needed, which Triton versions spell differently):
-    gelu_tanh(g) = g s,   gelu_tanh'(g) = s + 2 g s (1 - s) c (1 + 3 * 0.044715 g^2)
-    d_gate = d_out * up * gelu_tanh'(gate),   d_up = d_out * gelu_tanh(gate)
+recomputes the activation.
 Launchers, custom ops, autograd and `in_place_backward` are shared with the other GLU
 (memplan.kernels._glu)."""
 
@@ -16,21 +22,33 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from memplan.errors import UsageError
 from memplan.kernels._glu import GatedMLP, GluOp
 
+APPROXIMATIONS = ("tanh", "none")
 
-def reference_geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+
+def reference_geglu(
+    gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh"
+) -> torch.Tensor:
     """Plain PyTorch, as Hugging Face computes it."""
-    return F.gelu(gate, approximate="tanh") * up
+    return F.gelu(gate, approximate=approximate) * up
 
 
 # --- Triton kernels -------------------------------------------------------------------------
 
 
 @triton.jit
-def _half_one_plus_tanh(g):
-    """sigmoid(2z) = 0.5 (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3); 2 sqrt(2/pi) below."""
-    return tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+def _gelu_and_slope(g, EXACT: tl.constexpr):
+    """(gelu(g), gelu'(g)) in fp32."""
+    if EXACT:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327
+        return g * cdf, cdf + g * pdf
+    else:
+        # sigmoid(2z) = 0.5 (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3): 2 sqrt(2/pi) here
+        s = tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+        return g * s, s + g * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * g * g)
 
 
 @triton.jit
@@ -45,13 +63,15 @@ def _geglu_forward_kernel(
     n_cols,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
     g = tl.load(gate_ptr + rows * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + rows * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    out = g * _half_one_plus_tanh(g) * u
+    gelu, _ = _gelu_and_slope(g, EXACT)
+    out = gelu * u
     tl.store(out_ptr + rows * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -71,6 +91,7 @@ def _geglu_backward_kernel(
     n_cols,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
@@ -78,9 +99,7 @@ def _geglu_backward_kernel(
     do = tl.load(dout_ptr + rows * dout_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + rows * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + rows * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    s = _half_one_plus_tanh(g)
-    gelu = g * s
-    d_gelu = s + g * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * g * g)
+    gelu, d_gelu = _gelu_and_slope(g, EXACT)
     dg = do * u * d_gelu
     du = do * gelu
     tl.store(
@@ -91,15 +110,28 @@ def _geglu_backward_kernel(
 
 # --- op, autograd and public API (memplan.kernels._glu) ----------------------------------------
 
-_GEGLU = GluOp("geglu", _geglu_forward_kernel, _geglu_backward_kernel)
-geglu_forward = _GEGLU.forward
-geglu_backward = _GEGLU.backward
+_GEGLU = {
+    "tanh": GluOp("geglu", _geglu_forward_kernel, _geglu_backward_kernel, EXACT=False),
+    "none": GluOp("geglu_exact", _geglu_forward_kernel, _geglu_backward_kernel, EXACT=True),
+}
+geglu_forward = _GEGLU["tanh"].forward
+geglu_backward = _GEGLU["tanh"].backward
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False) -> torch.Tensor:
-    """gelu(gate, approximate="tanh") * up, fused; gate and up of one shape and dtype (any
-    leading shape)."""
-    return _GEGLU(gate, up, in_place_backward=in_place_backward)
+def geglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    approximate: str = "tanh",
+    in_place_backward: bool = False,
+    down: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """gelu(gate, approximate=approximate) * up, fused ("tanh" or "none", as F.gelu); gate and
+    up of one shape and dtype (any leading shape). With `down` (an nn.Linear): down(product),
+    the product recomputed in backward instead of kept (memplan.kernels._glu)."""
+    if approximate not in _GEGLU:
+        raise UsageError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    return _GEGLU[approximate](gate, up, in_place_backward=in_place_backward, down=down)
 
 
 class GeGLU(GatedMLP):

@@ -6,8 +6,10 @@ variants (linear, dynamic NTK, YaRN, Llama 3) need nothing special.
 
 q and k are rotated in one launch, one program per token, reading them through their strides
 (they are usually transposed views of (B, S, heads, head_dim) projections: no copy). Out of
-place; the outputs keep the inputs' memory layout, as the eager ops do. Nothing but cos/sin is
-saved. Backward applies the transposed rotation R^T [a1, a2] = [a2, -a1]:
+place by default, the outputs keep the inputs' memory layout, as the eager ops do; with
+`in_place` q and k are overwritten (and backward overwrites dq and dk), as Liger-Kernel does,
+allocating nothing (each program reads its elements before writing them). Nothing but cos/sin
+is saved. Backward applies the transposed rotation R^T [a1, a2] = [a2, -a1]:
     dx1 = dy1 * cos1 + dy2 * sin2,   dx2 = dy2 * cos2 - dy1 * sin1.
 No gradient flows to cos/sin (HF computes them under no_grad)."""
 
@@ -188,6 +190,7 @@ def _launch(
     sin: torch.Tensor,
     unsqueeze_dim: int,
     backward: bool,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seq_len = q.shape[0], q.shape[3 - unsqueeze_dim]
     n_q_heads, n_k_heads = q.shape[unsqueeze_dim], k.shape[unsqueeze_dim]
@@ -195,7 +198,7 @@ def _launch(
     # (batch or 1, seq, D) -> (batch, seq, D) with stride 0 where broadcast: no copy.
     cos = cos.expand(batch, seq_len, head_dim)
     sin = sin.expand(batch, seq_len, head_dim)
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_out, k_out = (q, k) if in_place else (torch.empty_like(q), torch.empty_like(k))
     if q.numel() == 0:
         return q_out, k_out
     block_d = triton.next_power_of_2(head_dim // 2)
@@ -261,8 +264,19 @@ def _backward(ctx, dq, dk):
     if use_custom_op(dq):
         dq, dk = torch.ops.memplan.rope_backward(dq, dk, cos, sin, ctx.unsqueeze_dim)
     else:
-        dq, dk = _launch(dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True)
-    return dq, dk, None, None, None
+        # In place only into gradients that own their elements (not expanded ones, e.g. from a
+        # sum's backward).
+        in_place = getattr(ctx, "in_place", False) and _distinct_elements(dq, dk)
+        dq, dk = _launch(dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True, in_place=in_place)
+    return dq, dk, None, None, None, None
+
+
+def _distinct_elements(*tensors: torch.Tensor) -> bool:
+    return all(
+        stride != 0 or size == 1
+        for t in tensors
+        for stride, size in zip(t.stride(), t.shape, strict=True)
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -271,17 +285,28 @@ def _setup_context(ctx, inputs, output):
     ctx.unsqueeze_dim = unsqueeze_dim
 
 
-_rope_op.register_autograd(_backward, setup_context=_setup_context)
+def _op_backward(ctx, dq, dk):
+    return _backward(ctx, dq, dk)[:5]
+
+
+_rope_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _RopeFunction(torch.autograd.Function):
     """The eager path (see memplan.kernels._utils.use_custom_op)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, in_place):
         ctx.save_for_backward(cos, sin)
         ctx.unsqueeze_dim = unsqueeze_dim
-        return _launch(q, k, cos, sin, unsqueeze_dim, backward=False)
+        ctx.in_place = in_place
+        q_out, k_out = _launch(q, k, cos, sin, unsqueeze_dim, backward=False, in_place=in_place)
+        if in_place:
+            # Not marked dirty (autograd refuses that for two outputs that are views, which q
+            # and k are): the caller guarantees nothing reads the unrotated q and k, as with
+            # Liger-Kernel's RoPE. The outputs are new views of the rotated memory.
+            return q_out.view_as(q_out), k_out.view_as(k_out)
+        return q_out, k_out
 
     backward = staticmethod(_backward)
 
@@ -295,10 +320,16 @@ def rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
     unsqueeze_dim: int = 1,
+    *,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused apply_rotary_pos_emb: q (B, n_heads, S, D), k (B, n_kv_heads, S, D) for
-    unsqueeze_dim=1 ((B, S, heads, D) for 2); cos/sin (B or 1, S, D) or (S, D)."""
+    unsqueeze_dim=1 ((B, S, heads, D) for 2); cos/sin (B or 1, S, D) or (S, D).
+
+    in_place: rotate q and k in their own memory, and their gradients in dq and dk's (the
+    caller must not read the unrotated q, k afterwards; under torch.compile the functional op
+    runs instead and the returned tensors are new)."""
     _check_shapes(q, k, cos, sin, unsqueeze_dim)
     if use_custom_op(q):
         return torch.ops.memplan.rope(q, k, cos, sin, unsqueeze_dim)
-    return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
+    return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, in_place)

@@ -88,10 +88,16 @@ swiglu_backward = _SWIGLU.backward
 
 
 def swiglu(
-    gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    in_place_backward: bool = False,
+    down: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """silu(gate) * up, fused; gate and up of the same shape and dtype (any leading shape)."""
-    return _SWIGLU(gate, up, in_place_backward=in_place_backward)
+    """silu(gate) * up, fused; gate and up of the same shape and dtype (any leading shape).
+    With `down` (an nn.Linear): down(product), the product recomputed in backward instead of
+    kept (memplan.kernels._glu)."""
+    return _SWIGLU(gate, up, in_place_backward=in_place_backward, down=down)
 
 
 class SwiGLU(GatedMLP):

@@ -8,6 +8,7 @@ forwards; on any failure every one already set is restored)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -23,7 +24,7 @@ from torch import nn
 from memplan.errors import MemplanError, UsageError
 from memplan.patching import forwards
 from memplan.patching.specs import SPECS, SUPPORTED_MODEL_TYPES, PatchSpec
-from memplan.schema import GLU_KERNEL_BY_ACTIVATION, KERNEL_NAMES, Plan
+from memplan.schema import GELU_APPROXIMATION, GLU_KERNEL_BY_ACTIVATION, KERNEL_NAMES, Plan
 
 _STATE_ATTR = "_memplan_patch_state"
 
@@ -46,6 +47,7 @@ class AppliedPatch:
     modules: kernel -> qualified names of the modules whose forward now uses it (the loss
         kernels name the causal-LM module by its class, e.g. "LlamaForCausalLM").
     flce_chunk: rows per FLCE chunk; None means the kernel's default formula, per call.
+    flce_memory_budget: bytes FLCE may hold beyond its outputs (it picks chunk and schedule).
     skipped: kernel -> why a kernel of the plan was not switched on."""
 
     model_type: str
@@ -54,6 +56,7 @@ class AppliedPatch:
     flce_chunk: int | None
     skipped: Mapping[str, str] = field(default_factory=dict)
     plan: Plan | None = None
+    flce_memory_budget: int | None = None
 
     @property
     def num_modules(self) -> int:
@@ -64,7 +67,10 @@ class AppliedPatch:
         for kernel in self.kernels:
             lines.append(f"  {kernel}: {len(self.modules.get(kernel, ()))} modules")
         if "flce" in self.kernels:
-            lines.append(f"  flce chunk: {self.flce_chunk or 'default formula'}")
+            if self.flce_memory_budget:
+                lines.append(f"  flce memory budget: {self.flce_memory_budget} bytes")
+            else:
+                lines.append(f"  flce chunk: {self.flce_chunk or 'default formula'}")
         lines += [f"  skipped {kernel}: {why}" for kernel, why in self.skipped.items()]
         plan = self.plan
         if plan is not None and (plan.grad_checkpointing or plan.grad_accum > 1):
@@ -111,6 +117,7 @@ def apply(
     *,
     kernels: Sequence[str] | None = None,
     flce_chunk: int | None = None,
+    flce_memory_budget: int | None = None,
     batch: int | None = None,
     seq: int | None = None,
     gpu: str | None = None,
@@ -121,13 +128,17 @@ def apply(
     plan="auto" with batch and seq asks memplan's advisor which kernels and FLCE chunk to use;
     "auto" without them, or None, switches on every kernel the architecture supports. A Plan
     is used as given (kernels it names that this model cannot use are reported in `skipped`).
-    `kernels` and `flce_chunk` override the plan. Applying the same thing twice changes
+    `kernels` and `flce_chunk` / `flce_memory_budget` (bytes FLCE may hold beyond dX and dW;
+    it then picks its chunk and schedule) override the plan. Applying the same thing twice changes
     nothing; applying something else first reverts the previous patch."""
     hf_model = unwrap(model)
     spec = spec_for(hf_model)
     _check_device()
-    if flce_chunk is not None and (not isinstance(flce_chunk, int) or flce_chunk <= 0):
-        raise UsageError(f"flce_chunk must be a positive integer, got {flce_chunk!r}")
+    for name, value in (("flce_chunk", flce_chunk), ("flce_memory_budget", flce_memory_budget)):
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    if flce_chunk is not None and flce_memory_budget is not None:
+        raise UsageError("give flce_chunk or flce_memory_budget, not both")
     supported = supported_kernels(hf_model)
 
     resolved_plan = _resolve_plan(model, hf_model, plan, batch=batch, seq=seq, gpu=gpu)
@@ -144,18 +155,21 @@ def apply(
         }
     else:
         chosen = supported
-    if flce_chunk is None and resolved_plan is not None:
+    if flce_chunk is None and flce_memory_budget is None and resolved_plan is not None:
         flce_chunk = resolved_plan.flce_chunk
+        flce_memory_budget = resolved_plan.flce_memory_budget
     chosen = tuple(k for k in KERNEL_NAMES if k in chosen)
 
-    request = (chosen, flce_chunk)
+    request = (chosen, flce_chunk, flce_memory_budget)
     state: _State | None = getattr(hf_model, _STATE_ATTR, None)
     if state is not None and state.request == request:
         return state.applied
 
     functions = {name: load_kernel(name) for name in chosen}
     originals = {id(i.module): i for i in state.installed} if state is not None else {}
-    targets = _plan_targets(hf_model, spec, chosen, functions, flce_chunk, originals)
+    targets = _plan_targets(
+        hf_model, spec, chosen, functions, (flce_chunk, flce_memory_budget), originals
+    )
     modules: dict[str, list[str]] = {k: [] for k in chosen}
     for target in targets:
         for kernel in target.kernels:
@@ -170,6 +184,7 @@ def apply(
         flce_chunk=flce_chunk if "flce" in chosen else None,
         skipped=skipped,
         plan=resolved_plan,
+        flce_memory_budget=flce_memory_budget if "flce" in chosen else None,
     )
 
     if state is not None:
@@ -248,6 +263,23 @@ def supported_kernels(hf_model: nn.Module) -> tuple[str, ...]:
     if type(hf_model).__name__ in spec.causal_lm.classes:
         found |= {"cross_entropy", "flce"}
     return tuple(k for k in KERNEL_NAMES if k in found)
+
+
+def _gelu_approximation(mlp: nn.Module, activation: str) -> str:
+    """F.gelu's `approximate` that the MLP's act_fn computes: named by the config, checked on
+    the module itself (transformers releases differ in what they build for Gemma's "gelu")."""
+    import torch.nn.functional as F
+
+    approximate = GELU_APPROXIMATION[activation]
+    act_fn = getattr(mlp, "act_fn", None)
+    if act_fn is None:
+        return approximate
+    x = torch.linspace(-4.0, 4.0, 33)
+    y = act_fn(x)
+    for candidate in (approximate, *(a for a in ("none", "tanh") if a != approximate)):
+        if torch.allclose(y, F.gelu(x, approximate=candidate), rtol=0.0, atol=1e-6):
+            return candidate
+    raise ValueError(f"its act_fn ({type(act_fn).__name__}) is neither exact nor tanh GELU")
 
 
 def load_kernel(name: str) -> Callable[..., Any]:
@@ -344,7 +376,7 @@ def _plan_targets(
     spec: PatchSpec,
     chosen: tuple[str, ...],
     functions: Mapping[str, Callable[..., Any]],
-    flce_chunk: int | None,
+    flce_setting: tuple[int | None, int | None],
     originals: Mapping[int, _Installed],
 ) -> list[_Target]:
     """Every module to patch with its new forward; raises before anything is changed."""
@@ -373,7 +405,12 @@ def _plan_targets(
                     ("gate_up_proj",) if spec.mlp.fused_gate_up else ("gate_proj", "up_proj")
                 )
                 _require(module, (*projections, "down_proj"))
-                forward = forwards.mlp_forward(spec.mlp, functions[glu])
+                glu_function = functions[glu]
+                if glu == "geglu":
+                    activation = getattr(hf_model.config, spec.mlp.activation_config_attr)
+                    approximate = _gelu_approximation(module, activation)
+                    glu_function = functools.partial(glu_function, approximate=approximate)
+                forward = forwards.mlp_forward(spec.mlp, glu_function)
                 targets.append(_Target(name, module, (glu,), forward))
             elif loss_kernels and module is hf_model:
                 _require(module, ("lm_head", spec.causal_lm.base_model_attr, "config"))
@@ -383,7 +420,8 @@ def _plan_targets(
                 kernels = forwards.LossKernels(
                     flce=functions.get("flce"),
                     cross_entropy=functions.get("cross_entropy"),
-                    flce_chunk=flce_chunk,
+                    flce_chunk=flce_setting[0],
+                    flce_memory_budget=flce_setting[1],
                 )
                 original = _unpatched_forward(module, originals.get(id(module)))
                 forward = forwards.causal_lm_forward(spec.causal_lm, original, kernels)

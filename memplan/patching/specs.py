@@ -34,8 +34,7 @@ class AttentionSpec:
     applies memplan's RoPE kernel and then calls transformers' attention interface.
 
     qkv: "separate" (q_proj, k_proj, v_proj) or "fused" (one qkv_proj, phi3).
-    qk_norm: per-head RMSNorm on q and k (q_norm, k_norm), applied on the (b, s, h, d) view
-        ("before_transpose", Qwen3) or on the (b, h, s, d) view ("after_transpose", Gemma 3).
+    qk_norm: per-head RMSNorm on q and k (q_norm, k_norm; Qwen3, Gemma 3).
     sliding_window: where the family reads the window it passes to the interface: the module's
         `sliding_window` attribute, the config's, or nowhere.
     softcap_attr: module attribute holding the attention-logit softcap (Gemma 2), passed as
@@ -43,7 +42,7 @@ class AttentionSpec:
 
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
-    qk_norm: Literal["before_transpose", "after_transpose"] | None = None
+    qk_norm: bool = False
     sliding_window: Literal["module", "config"] | None = None
     softcap_attr: str | None = None
 
@@ -92,7 +91,7 @@ def _llama_like(
     prefix: str,
     *,
     sliding_window: Literal["module", "config"] | None = None,
-    qk_norm: Literal["before_transpose", "after_transpose"] | None = None,
+    qk_norm: bool = False,
 ) -> PatchSpec:
     return PatchSpec(
         model_type=model_type,
@@ -121,7 +120,7 @@ SPECS: dict[str, PatchSpec] = {
         _llama_like("llama", "Llama"),
         _llama_like("mistral", "Mistral", sliding_window="config"),
         _llama_like("qwen2", "Qwen2", sliding_window="module"),
-        _llama_like("qwen3", "Qwen3", sliding_window="module", qk_norm="before_transpose"),
+        _llama_like("qwen3", "Qwen3", sliding_window="module", qk_norm=True),
         PatchSpec(
             model_type="gemma",
             norm=_gemma_norm("Gemma", in_place_backward=True),
@@ -145,7 +144,7 @@ SPECS: dict[str, PatchSpec] = {
             norm=_gemma_norm("Gemma3", in_place_backward=False),
             attention=AttentionSpec(
                 classes=("Gemma3Attention",),
-                qk_norm="after_transpose",
+                qk_norm=True,
                 sliding_window="module",
             ),
             mlp=MlpSpec(classes=("Gemma3MLP",), activation_config_attr="hidden_activation"),
@@ -171,7 +170,7 @@ SPECS: dict[str, PatchSpec] = {
             model_type="qwen3_moe",
             norm=NormSpec(classes=("Qwen3MoeRMSNorm",)),
             attention=AttentionSpec(
-                classes=("Qwen3MoeAttention",), qk_norm="before_transpose", sliding_window="module"
+                classes=("Qwen3MoeAttention",), qk_norm=True, sliding_window="module"
             ),
             # Only the dense layers (config.mlp_only_layers) have a Qwen3MoeMLP.
             mlp=MlpSpec(classes=("Qwen3MoeMLP",)),

@@ -175,13 +175,23 @@ def resolve_kernels(
     """The setup with the kernels the run will patch in and their FLCE chunk."""
     if isinstance(kernels, str):
         plan = advised_plan(spec, setup, kernels, gpu)
-        names, chunk = tuple(plan.kernels), setup.flce_chunk or plan.flce_chunk
+        names = tuple(plan.kernels)
+        if setup.flce_chunk is not None:
+            chunk, budget = setup.flce_chunk, None
+        else:
+            chunk, budget = plan.flce_chunk, plan.flce_memory_budget
     else:
         from memplan.advisor import parse_kernels as supported_names  # checks the architecture
 
-        names, chunk = supported_names(list(kernels), spec) or (), setup.flce_chunk
+        names = supported_names(list(kernels), spec) or ()
+        chunk, budget = setup.flce_chunk, setup.flce_memory_budget
+    flce = "flce" in names
     return setup.model_copy(
-        update={"kernels": names, "flce_chunk": chunk if "flce" in names else None}
+        update={
+            "kernels": names,
+            "flce_chunk": chunk if flce else None,
+            "flce_memory_budget": budget if flce else None,
+        }
     )
 
 
@@ -193,8 +203,11 @@ def _setup_from_plan(fields: dict[str, Any], plan: Plan) -> dict[str, Any]:
         fields["grad_accum"] = plan.grad_accum
     if plan.grad_checkpointing:
         fields["grad_checkpointing"] = True
-    if plan.flce_chunk is not None and fields.get("flce_chunk") is None:
-        fields["flce_chunk"] = plan.flce_chunk
+    if fields.get("flce_chunk") is None and fields.get("flce_memory_budget") is None:
+        if plan.flce_chunk is not None:
+            fields["flce_chunk"] = plan.flce_chunk
+        if plan.flce_memory_budget is not None:
+            fields["flce_memory_budget"] = plan.flce_memory_budget
     return fields
 
 

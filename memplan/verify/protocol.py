@@ -42,6 +42,8 @@ def case_name(model: str, setup: TrainSetup, *, liger: bool = False) -> str:
         parts.append("+".join(_SHORT_KERNEL_NAMES.get(k, k) for k in setup.kernels))
         if setup.flce_chunk is not None:
             parts.append(f"chunk{setup.flce_chunk}")
+        if setup.flce_memory_budget is not None:
+            parts.append(f"budget{-(-setup.flce_memory_budget // 2**20)}MiB")
     else:
         parts.append("hf")
     return "_".join(parts)

@@ -123,7 +123,9 @@ def _with_profiles(
                 "mode": "profile",
                 "liger": False,
                 "record_timeline": False,
-                "setup": case.setup.model_copy(update={"kernels": (), "flce_chunk": None}),
+                "setup": case.setup.model_copy(
+                    update={"kernels": (), "flce_chunk": None, "flce_memory_budget": None}
+                ),
             }
         )
     }

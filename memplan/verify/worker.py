@@ -151,7 +151,11 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
             from memplan.patching import apply
 
             applied = apply(
-                model, plan=None, kernels=list(setup.kernels), flce_chunk=setup.flce_chunk
+                model,
+                plan=None,
+                kernels=list(setup.kernels),
+                flce_chunk=setup.flce_chunk,
+                flce_memory_budget=setup.flce_memory_budget,
             )
             rec["applied"] = _applied_summary(applied)
             kernels = tuple(rec["applied"]["kernels"])
@@ -174,6 +178,7 @@ def _applied_summary(applied: Any) -> dict[str, Any]:
         "kernels": list(getattr(applied, "kernels", ())),
         "modules": {kernel: len(names) for kernel, names in modules.items()},
         "flce_chunk": getattr(applied, "flce_chunk", None),
+        "flce_memory_budget": getattr(applied, "flce_memory_budget", None),
         "skipped": dict(getattr(applied, "skipped", {}) or {}),
     }
 

@@ -4,6 +4,8 @@ five elementwise ops."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,7 +20,13 @@ from memplan.kernels.rope import reference_rope, rope
 from memplan.kernels.swiglu import SwiGLU, reference_swiglu, swiglu
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-OPS = [(swiglu, reference_swiglu), (geglu, reference_geglu)]
+geglu_exact = functools.partial(geglu, approximate="none")
+reference_geglu_exact = functools.partial(reference_geglu, approximate="none")
+OPS = [
+    (swiglu, reference_swiglu),
+    (geglu, reference_geglu),
+    (geglu_exact, reference_geglu_exact),
+]
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -56,6 +64,50 @@ def test_matches_reference(device, op, reference, dtype, in_place):
 
 
 @pytest.mark.parametrize("op,reference", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_down_projection_recomputes_the_product(device, op, reference, dtype, bias, in_place):
+    """op(gate, up, down=linear) == linear(op(gate, up)) in value and in all four gradients,
+    with the product not saved (it is recomputed in backward)."""
+    torch.manual_seed(0)
+    inter, hidden = 127, 65
+    down = torch.nn.Linear(inter, hidden, bias=bias).to(device, dtype)
+    gate = (torch.randn(3, 37, inter, device=device) * 3).to(dtype).requires_grad_()
+    up = torch.randn(3, 37, inter, device=device, dtype=dtype, requires_grad=True)
+    leaves = (gate, up, down.weight) + ((down.bias,) if bias else ())
+    ref_leaves = [t.detach().float().clone().requires_grad_() for t in leaves]
+    ref = torch.nn.functional.linear(
+        reference(ref_leaves[0], ref_leaves[1]), *ref_leaves[2:] if bias else ref_leaves[2:3]
+    )
+    d_out = torch.randn(ref.shape, device=device, dtype=dtype)
+    want = torch.autograd.grad(ref, ref_leaves, d_out.float())
+
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.untyped_storage().nbytes()) or t, lambda t: t
+    ):
+        out = op(gate, up, in_place_backward=in_place, down=down)
+    weight_bytes = down.weight.untyped_storage().nbytes()
+    assert sorted(saved) == sorted([gate.untyped_storage().nbytes()] * 2 + [weight_bytes])
+    assert out.dtype == dtype and rel(out, ref) <= TOL[dtype]
+    got = torch.autograd.grad(out, leaves, d_out)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == dtype and rel(g, w) <= TOL[dtype]
+
+
+def test_down_projection_with_hooks_keeps_the_module_call(device):
+    """A hooked down projection (PEFT, FSDP) is called as a module: the product is saved."""
+    down = torch.nn.Linear(48, 32).to(device)
+    calls = []
+    down.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    gate = torch.randn(5, 48, device=device, requires_grad=True)
+    up = torch.randn(5, 48, device=device, requires_grad=True)
+    swiglu(gate, up, down=down).sum().backward()
+    assert calls == [torch.Size([5, 32])]
+
+
+@pytest.mark.parametrize("op,reference", OPS)
 @pytest.mark.parametrize("in_place", [False, True])
 def test_non_contiguous_inputs(device, op, reference, in_place):
     """gate/up as halves of a fused gate_up projection (row stride 2I: read in place) and as
@@ -69,19 +121,25 @@ def test_non_contiguous_inputs(device, op, reference, in_place):
     run_and_compare(op, reference, gate_t, up_t, torch.float32, in_place)
 
 
-def test_geglu_extreme_gates(device):
-    """Large |gate|: gelu_tanh saturates to gate or 0 and its derivative to 1 or 0."""
+@pytest.mark.parametrize("op,reference", OPS[1:])
+def test_geglu_extreme_gates(device, op, reference):
+    """Large |gate|: gelu saturates to gate or 0 and its derivative to 1 or 0."""
     gate = torch.tensor([[-30.0, -8.0, -1e-3, 0.0, 1e-3, 8.0, 30.0, 3.0]], device=device)
     gate.requires_grad_()
     up = torch.full_like(gate, 2.0, requires_grad=True)
-    run_and_compare(geglu, reference_geglu, gate, up, torch.float32)
+    run_and_compare(op, reference, gate, up, torch.float32)
+
+
+def test_geglu_rejects_unknown_approximation():
+    with pytest.raises(UsageError, match="approximate"):
+        geglu(torch.randn(2, 8), torch.randn(2, 8), approximate="erf")
 
 
 @settings(max_examples=5, deadline=None)
 @given(
     lead=st.lists(st.integers(1, 9), min_size=0, max_size=2),
     cols=st.integers(1, 3000),
-    which=st.sampled_from([0, 1]),
+    which=st.sampled_from([0, 1, 2]),
 )
 def test_shapes_property(lead, cols, which):
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,8 +151,8 @@ def test_shapes_property(lead, cols, which):
 @pytest.mark.parametrize("module_cls", [SwiGLU, GeGLU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_saved_bytes_match_contract(device, module_cls, dtype):
-    """The fused op saves gate and up only: the MLP saves them plus what the Linears save (x
-    for gate/up, shared; the product for down_proj)."""
+    """The fused op saves gate and up only: the MLP saves them plus x (for gate/up's weight
+    gradients, shared); down_proj's input, the product, is recomputed in backward."""
     rows, hidden, inter = 13, 32, 48
     mlp = module_cls(hidden, inter).to(device, dtype)
     x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
@@ -109,7 +167,7 @@ def test_saved_bytes_match_contract(device, module_cls, dtype):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         mlp(x)
-    linears = rows * hidden * dtype.itemsize + rows * inter * dtype.itemsize
+    linears = rows * hidden * dtype.itemsize
     assert sum(storages.values()) == glu_saved_bytes(rows, inter, dtype.itemsize) + linears
 
 

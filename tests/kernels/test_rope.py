@@ -162,3 +162,36 @@ def test_bad_shapes_raise_usage_errors():
     q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(UsageError, match="unsqueeze_dim"):
         rope(q, k, torch.randn(1, 3, 8), torch.randn(1, 3, 8), unsqueeze_dim=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_in_place_matches_hf_and_allocates_nothing(device, dtype, unsqueeze_dim):
+    """in_place=True: the outputs are q and k themselves, values and gradients as HF's."""
+    torch.manual_seed(0)
+    q_leaf, k_leaf, views = projections(2, 37, 6, 2, 64, device, dtype, unsqueeze_dim)
+    cos, sin = cos_sin(2, 37, 64, device, dtype)
+    qr, kr = (t.detach().float().clone().requires_grad_() for t in (q_leaf, k_leaf))
+    ref = apply_rotary_pos_emb(*views(qr, kr), cos.float(), sin.float(), unsqueeze_dim)
+    q_proj, k_proj = q_leaf * 1, k_leaf * 1  # projection outputs (not leaves), as in a model
+    q, k = views(q_proj, k_proj)
+    out = rope(q, k, cos, sin, unsqueeze_dim, in_place=True)
+    assert out[0].data_ptr() == q.data_ptr() and out[1].data_ptr() == k.data_ptr()
+    for o, r in zip(out, ref, strict=True):
+        assert rel(o, r) <= TOL[dtype]
+    douts = tuple(torch.randn_like(o) for o in out)
+    want = torch.autograd.grad(ref, (qr, kr), tuple(d.float() for d in douts))
+    got = torch.autograd.grad(out, (q_leaf, k_leaf), douts)  # overwrites douts
+    for g, w in zip(got, want, strict=True):
+        assert rel(g, w) <= TOL[dtype]
+    # an expanded gradient (a sum's backward) is not written into
+    q, k = views(q_leaf * 1, k_leaf * 1)
+    q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim, in_place=True)
+    (q_out.float().sum() + k_out.float().sum()).backward()
+    q_ref, k_ref = (t.detach().float().clone().requires_grad_() for t in (q_leaf, k_leaf))
+    ref_q, ref_k = apply_rotary_pos_emb(
+        *views(q_ref, k_ref), cos.float(), sin.float(), unsqueeze_dim
+    )
+    (ref_q.sum() + ref_k.sum()).backward()
+    assert rel(q_leaf.grad, q_ref.grad) <= TOL[dtype]
+    assert rel(k_leaf.grad, k_ref.grad) <= TOL[dtype]

@@ -15,15 +15,6 @@ from memplan.verify.report import GOAL_MAX_PCT, GOAL_MEDIAN_PCT, error_stats, ke
 
 DATA = Path(__file__).parents[1] / "data" / "measurements_h200.json"
 
-# Measured cases outside the 4% goal, each with what is not modelled (see docs/accuracy.md).
-# They must stay within KNOWN_MISS_MAX_PCT, so a regression still fails, and a fix that brings
-# one inside the goal fails test_known_misses_are_still_misses until it is removed from here.
-KNOWN_MISSES = {
-    "qwen3-0.6b_b4_s1024_amp-bf16_rms+rope+swiglu+flce_chunk4096": (
-        "autocast with FLCE: about 0.9 GiB allocated at the loss that the walk does not model"
-    ),
-}
-KNOWN_MISS_MAX_PCT = 6.0
 GROUPS = ("none", "memplan kernels")
 
 
@@ -67,15 +58,4 @@ def test_prediction_error_within_goal(measured, group, step1):
     )
     assert stats.median_abs_pct <= GOAL_MEDIAN_PCT, detail
     for m in ms:
-        error = abs((m.step1_error_pct if step1 else m.error_pct) or 0.0)
-        limit = KNOWN_MISS_MAX_PCT if m.case in KNOWN_MISSES else GOAL_MAX_PCT
-        assert error <= limit, detail
-
-
-def test_known_misses_are_still_misses(measured):
-    by_case = {m.case: m for m in measured}
-    for case in KNOWN_MISSES:
-        assert case in by_case, f"{case} is no longer measured: drop it from KNOWN_MISSES"
-        m = by_case[case]
-        worst = max(abs(m.error_pct or 0.0), abs(m.step1_error_pct or 0.0))
-        assert worst > GOAL_MAX_PCT, f"{case} is within the goal now: drop it from KNOWN_MISSES"
+        assert abs((m.step1_error_pct if step1 else m.error_pct) or 0.0) <= GOAL_MAX_PCT, detail

@@ -65,8 +65,8 @@ def test_planner_failure_still_measures(monkeypatch):
     monkeypatch.setattr(cases_module, "plan_cases", broken)
     case, spec = measure_grid.plan("gemma-2b", 2, 128, {}, kernels="auto", layers=4)
     assert spec is None
-    # gemma-2b's config says exact "gelu": no tanh GLU kernel for it.
-    assert case.setup.kernels == ("rms_norm", "rope", "flce")
+    # gemma-2b's config says exact "gelu": geglu (its exact variant) from the shared table.
+    assert case.setup.kernels == ("rms_norm", "rope", "geglu", "flce")
     assert case.hf_config["num_hidden_layers"] == 4 and case.model == "gemma-2b-l4"
 
 
