@@ -74,6 +74,8 @@ GRID: list[Config] = [
     Config("llama-3-8b", 4, 2048, layers=4),
     # The optimizer step is the peak when activations are small.
     Config("qwen2.5-1.5b", 1, 256),
+    Config("qwen2.5-1.5b", 1, 256, {"optimizer": "sgd-momentum"}),
+    Config("qwen2.5-1.5b", 1, 256, {"optimizer": "adafactor"}),
     Config("qwen3-0.6b", 4, 1024, {"optimizer": "sgd"}),
     # Sliding-window layers (an explicit SDPA mask), softcapping, fused qkv / gate_up.
     Config("gemma-3-1b", 2, 2048),

@@ -20,7 +20,7 @@ from memplan.estimators.contracts import (
     layer_saved,
     norm_saved,
 )
-from memplan.estimators.params import ParamCounts, count_params, lora_params
+from memplan.estimators.params import ParamCounts, count_params, lora_params, lora_shapes
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     Gpu,
@@ -32,16 +32,23 @@ from memplan.schema import (
 
 MIB = 2**20
 
-# Optimizer: state elements per trainable parameter, and the temporary its step allocates
-# (torch's foreach AdamW: one sqrt(exp_avg_sq) list the size of the parameters).
+# Optimizer: states per trainable parameter in the parameters' dtype, and the temporary its
+# step allocates (torch's foreach AdamW: one sqrt(exp_avg_sq) list the size of the parameters).
+# torch's Adafactor keeps a row and a column vector per matrix (left out: < 0.1% of the
+# parameters) and steps one tensor at a time: its temporary is the largest tensor's estimate.
 OPTIMIZER_STATES: dict[str, tuple[float, float]] = {
     "adamw": (2, 1),
     "adam": (2, 1),
     "sgd": (0, 0),
     "sgd-momentum": (1, 0),
-    "adamw-8bit": (0.5, 0.25),
-    "adafactor": (0, 1),
+    "adafactor": (0, 0),
 }
+PER_TENSOR_STEP = ("adafactor",)
+# Optimizers whose states do not follow the parameters' dtype: (state bytes, step temporary
+# bytes) per trainable element. bitsandbytes' AdamW8bit: two uint8 states plus one fp32 absmax
+# per 2048-element block each, updated in place by one fused kernel (not measured here:
+# bitsandbytes is not on the measurement machine).
+QUANTIZED_STATE_BYTES: dict[str, tuple[float, float]] = {"adamw-8bit": (2 + 2 * 4 / 2048, 0)}
 
 
 def cublas_workspace_bytes(gpu: Gpu | None) -> int:
@@ -221,7 +228,14 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     n_lora = lora_params(spec, setup)
     trainable = n_lora if lora else counts.total
     trainable_bytes = n_lora * FP32 if lora else counts.total * dtypes.param
-    state_elems, temp_elems = OPTIMIZER_STATES[setup.optimizer]
+    if setup.optimizer in QUANTIZED_STATE_BYTES:
+        per_element, temp_per_element = QUANTIZED_STATE_BYTES[setup.optimizer]
+        state_bytes, temp_bytes = trainable * per_element, trainable * temp_per_element
+    else:
+        state_elems, temp_elems = OPTIMIZER_STATES[setup.optimizer]
+        state_bytes, temp_bytes = state_elems * trainable_bytes, temp_elems * trainable_bytes
+        if setup.optimizer in PER_TENSOR_STEP:
+            temp_bytes = largest_trainable_tensor(spec, setup) * (FP32 if lora else dtypes.param)
     tokens = setup.batch * setup.seq
     h, p = spec.hidden_size, dtypes.proj
     nh, kv, hd = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
@@ -250,8 +264,8 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         weights=counts.total * dtypes.param + n_lora * FP32,
         trainable=trainable,
         trainable_bytes=trainable_bytes,
-        states=int(state_elems * trainable_bytes),
-        step_temp=int(temp_elems * trainable_bytes),
+        states=int(state_bytes),
+        step_temp=int(temp_bytes),
         workspace=cublas_workspace_bytes(gpu),
         saved=forward_saved(spec, setup, backend),
         residual=round_block(tokens * h * dtypes.residual),
@@ -287,6 +301,19 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             else 0
         ),
     )
+
+
+def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Elements of the largest trainable tensor: a LoRA factor (rank x the larger side), else
+    the embedding, one projection matrix, or transformers 5's stacked experts (one tensor of
+    experts x 2 x moe_intermediate x hidden)."""
+    if setup.lora_rank:
+        return max((setup.lora_rank * max(shape) for shape in lora_shapes(spec, setup)), default=0)
+    h = spec.hidden_size
+    heads = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.head_dim
+    dense = spec.intermediate_size * h * (2 if spec.fused_gate_up else 1)
+    experts = spec.num_experts * 2 * spec.moe_intermediate_size * h
+    return max(spec.vocab_size * h, dense, heads * h, experts)
 
 
 def attention_scores_backward_bytes(
@@ -377,7 +404,12 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady: bool
     if not setup.lora_rank:
         embedding_grad = round_block(sizes.counts.embedding * sizes.param_bytes)
         if spec.tie_word_embeddings:
-            walk.mark("backward", "embedding backward", embedding_grad)
+            # The tied weight's two gradients meet here. One lm_head gradient from autograd
+            # (no FLCE) plus the embedding's make a third tensor, their sum; FLCE's dW is summed
+            # in place. Measured on an H200 (qwen2.5-1.5b, batch 1 x 256, SGD with momentum and
+            # Adafactor, whose peak falls here): one more vocab x hidden gradient without FLCE.
+            copies = 1 if "flce" in kernels else 2
+            walk.mark("backward", "embedding backward", copies * embedding_grad)
         else:
             walk.add("gradients", embedding_grad)
         walk.add("gradients", round_block(sizes.counts.final_norm * sizes.param_bytes))
