@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memplan.errors import MemplanError, UsageError
@@ -268,8 +269,6 @@ def supported_kernels(hf_model: nn.Module) -> tuple[str, ...]:
 def _gelu_approximation(mlp: nn.Module, activation: str) -> str:
     """F.gelu's `approximate` that the MLP's act_fn computes: named by the config, checked on
     the module itself (transformers releases differ in what they build for Gemma's "gelu")."""
-    import torch.nn.functional as F
-
     approximate = GELU_APPROXIMATION[activation]
     act_fn = getattr(mlp, "act_fn", None)
     if act_fn is None:
