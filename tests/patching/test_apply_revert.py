@@ -168,6 +168,10 @@ def test_unknown_kernel_names_the_valid_ones():
         mp.apply(model, kernels=["rms_norm", "geglu"])
     with pytest.raises(UsageError, match="flce_chunk"):
         mp.apply(model, flce_chunk=0)
+    with pytest.raises(UsageError, match="flce_memory_budget"):
+        mp.apply(model, flce_memory_budget=-1)
+    with pytest.raises(UsageError, match="not both"):
+        mp.apply(model, flce_chunk=8, flce_memory_budget=2**20)
     with pytest.raises(UsageError, match="plan must be"):
         mp.apply(model, plan="fast")
     assert instance_forwards(model) == {}
@@ -190,6 +194,26 @@ def test_plan_kernels_the_model_cannot_use_are_skipped():
     assert set(applied.skipped) == {"geglu"}
     assert applied.flce_chunk == 16 and applied.plan == plan
     assert mp.apply(model, plan, flce_chunk=32).flce_chunk == 32
+
+
+def test_plan_memory_budget_reaches_the_loss_kernel(monkeypatch):
+    """A plan's FLCE memory budget is what the kernel receives, as memory_budget."""
+    import memplan.kernels.fused_linear_cross_entropy as flce_module
+
+    calls = []
+    kernel = flce_module.fused_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("chunk_size"), kwargs.get("memory_budget")))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(flce_module, "fused_linear_cross_entropy", spy)
+    model = build("llama")
+    applied = mp.apply(model, Plan(kernels=("flce",), flce_memory_budget=2**20))
+    assert applied.flce_memory_budget == 2**20 and applied.flce_chunk is None
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == [(None, 2**20)]
 
 
 def test_unpatched_model_in_the_same_process_is_unaffected():
