@@ -2,6 +2,7 @@
 only where CUDA is available (the device machine: `pytest -m gpu`)."""
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -29,3 +30,47 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_GPU else "cpu"
+
+
+def _saved_storage_bytes(run: Callable[[], object], module: torch.nn.Module) -> int:
+    """Bytes of the unique storages autograd saves while `run()` executes, the module's
+    parameters excluded."""
+    excluded = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in excluded:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+@pytest.fixture
+def saved_storage_bytes() -> Callable[[Callable[[], object], torch.nn.Module], int]:
+    return _saved_storage_bytes
+
+
+class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Storages of more than 1000 elements created by the ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        known = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > 1000:
+                if t.untyped_storage().data_ptr() not in known:
+                    self.sizes.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.fixture
+def new_storages() -> type[_NewStorages]:
+    return _NewStorages

@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan.kernels.cross_entropy as ce_module
 from memplan.errors import UsageError
@@ -199,26 +198,9 @@ def test_saved_bytes_match_contract(dtype, inplace_grad):
     assert sum(saved.values()) == expected
 
 
-class NewStorages(TorchDispatchMode):
-    """Storages of more than 1000 elements created by the ops run under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        known = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > 1000:
-                if t.untyped_storage().data_ptr() not in known:
-                    self.sizes.append((str(func), tuple(t.shape)))
-        return out
-
-
 @pytest.mark.parametrize("inplace_grad", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_backward_allocates_nothing_large(inplace_grad, reduction):
+def test_backward_allocates_nothing_large(inplace_grad, reduction, new_storages):
     """Backward scales the saved gradient where it lies; in particular autograd must not
     materialize zeros for the op's gradient output."""
     logits, target = make_inputs(37, 1000, torch.float32)
@@ -226,7 +208,7 @@ def test_backward_allocates_nothing_large(inplace_grad, reduction):
     inputs = leaf * 1
     loss = cross_entropy(inputs, target, inplace_grad=inplace_grad, reduction=reduction)
     grad_out = torch.rand_like(loss) + 0.5
-    with NewStorages() as created:
+    with new_storages() as created:
         (grad,) = torch.autograd.grad(loss, inputs, grad_out)
     assert created.sizes == []
     if inplace_grad:

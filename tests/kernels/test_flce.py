@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan.kernels.fused_linear_cross_entropy as flce_module
 from memplan.errors import UsageError
@@ -318,25 +317,8 @@ def test_saved_bytes_match_contract(dtype, reduction, bias, x_grad, w_grad):
     assert sum(saved.values()) == expected
 
 
-class NewStorages(TorchDispatchMode):
-    """Storages of more than 1000 elements created by the ops run under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        known = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > 1000:
-                if t.untyped_storage().data_ptr() not in known:
-                    self.sizes.append((str(func), tuple(t.shape)))
-        return out
-
-
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_backward_allocates_nothing_large(with_bias):
+def test_backward_allocates_nothing_large(with_bias, new_storages):
     """For 'mean' backward only scales the saved dX, dW (and db) where they lie, and they become
     the .grad tensors without a copy."""
     x, w, b, target = make_inputs(37, 64, 500, torch.float32, bias=with_bias)
@@ -349,7 +331,7 @@ def test_backward_allocates_nothing_large(with_bias):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = fused_linear_cross_entropy(x, w, target, b, chunk_size=8)
-    with NewStorages() as created:
+    with new_storages() as created:
         (2.0 * loss).backward()
     assert created.sizes == []
     assert all(leaf.grad.untyped_storage().data_ptr() in saved for leaf in leaves)

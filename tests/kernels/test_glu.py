@@ -150,25 +150,15 @@ def test_shapes_property(lead, cols, which):
 
 @pytest.mark.parametrize("module_cls", [SwiGLU, GeGLU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_saved_bytes_match_contract(device, module_cls, dtype):
+def test_saved_bytes_match_contract(device, module_cls, dtype, saved_storage_bytes):
     """The fused op saves gate and up only: the MLP saves them plus x (for gate/up's weight
     gradients, shared); down_proj's input, the product, is recomputed in backward."""
     rows, hidden, inter = 13, 32, 48
     mlp = module_cls(hidden, inter).to(device, dtype)
     x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
-    excluded = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in excluded:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        mlp(x)
+    saved = saved_storage_bytes(lambda: mlp(x), mlp)
     linears = rows * hidden * dtype.itemsize
-    assert sum(storages.values()) == glu_saved_bytes(rows, inter, dtype.itemsize) + linears
+    assert saved == glu_saved_bytes(rows, inter, dtype.itemsize) + linears
 
 
 @pytest.mark.parametrize("op", [swiglu, geglu])

@@ -125,22 +125,12 @@ def test_shapes_property(lead, hidden, casting):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_saved_bytes_match_contract(device, dtype):
+def test_saved_bytes_match_contract(device, dtype, saved_storage_bytes):
     rows, hidden = 37, 96
     norm = RMSNorm(hidden).to(device, dtype)
     x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
-    excluded = {p.untyped_storage().data_ptr() for p in norm.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in excluded:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        norm(x)
-    assert sum(storages.values()) == rms_norm_saved_bytes(rows, hidden, dtype.itemsize)
+    saved = saved_storage_bytes(lambda: norm(x), norm)
+    assert saved == rms_norm_saved_bytes(rows, hidden, dtype.itemsize)
 
 
 def test_module_forward_and_repr(device):
