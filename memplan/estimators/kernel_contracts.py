@@ -17,13 +17,13 @@ FP32 = 4
 def rms_norm_saved_bytes(rows: int, hidden: int, dtype_bytes: int) -> int:
     """Input x (rows x hidden, input dtype) and the fp32 inverse RMS per row. Backward writes dx
     over dy when `in_place_backward` (else a new rows x hidden buffer) and keeps an fp32 dW
-    partial of (SMs x 1..8) x hidden, a few MiB."""
+    partial of at most SMs x hidden (memplan.kernels._partials), a few MiB."""
     return rows * hidden * dtype_bytes + rows * FP32
 
 
 def layer_norm_saved_bytes(rows: int, hidden: int, dtype_bytes: int) -> int:
     """Input x plus fp32 mean and inverse std per row. Backward allocates dx (rows x hidden) and
-    fp32 dW/dB partials of (SMs x 1..8) x hidden each."""
+    fp32 dW/dB partials of at most SMs x hidden each."""
     return rows * hidden * dtype_bytes + 2 * rows * FP32
 
 
@@ -103,7 +103,9 @@ def flce_transient_bytes(
     - "one_pass_fp32_acc": several chunks with a bf16/fp16 weight; dW is accumulated over chunks
       in an fp32 (vocab x hidden) buffer. Chosen only under a memory budget that holds it, with
       chunks of at least min_accumulated_chunk rows (below that the accumulator's
-      read-modify-write per chunk costs more than the two-pass schedule's extra GEMM).
+      read-modify-write per chunk costs more than the two-pass schedule's extra GEMM). dW (a
+      saved byte) is allocated after the logits buffer is freed: beyond what is saved, the peak
+      is the accumulator plus whatever the logits buffer holds more than dW.
     - "two_pass" (four GEMMs) otherwise: pass 1 per row chunk computes logits, loss, the per-row
       log-sum-exp (fp32, one per row) and dX; pass 2 per vocabulary slice recomputes the slice's
       logits for all rows into the same buffer (max(chunk * vocab, rows) elements) and writes
@@ -132,7 +134,8 @@ def flce_transient_bytes(
     if schedule == "one_pass":
         return chunk * vocab * dtype_bytes + per_row + bias
     if schedule == "one_pass_fp32_acc":
-        return chunk * vocab * dtype_bytes + vocab * hidden * FP32 + per_row + bias
+        logits_over_dw = max(0, chunk * vocab - vocab * hidden) * dtype_bytes
+        return vocab * hidden * FP32 + logits_over_dw + per_row + bias
     if schedule == "two_pass":
         return max(chunk * vocab, rows) * dtype_bytes + rows * FP32 + per_row + bias
     raise ValueError(f"unknown FLCE schedule {schedule!r}")

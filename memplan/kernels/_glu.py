@@ -2,16 +2,18 @@
 each op's own pair of Triton kernels (swiglu.py, geglu.py), which differ only in the activation.
 
 Both kernels take (gate, up, out) rows with their row strides for the forward, and (d_out, gate,
-up, d_gate, d_up) for the backward, on a 2-d grid of (ROWS x BLOCK) tiles. Only gate and up are
-saved; backward recomputes the activation. With `in_place_backward` the two gradients overwrite
-the saved gate and up buffers (as Liger-Kernel does), so backward allocates nothing; that is
-wrong if gate or up is read again after this backward (retain_graph, or a shared tensor).
+up, d_gate, d_up, product) for the backward, over (ROWS x BLOCK) tiles numbered along memory
+(`tile_of`). Only gate and up are saved; backward recomputes the activation. With
+`in_place_backward` the two gradients overwrite the saved gate and up buffers (as Liger-Kernel
+does), so backward allocates nothing; that is wrong if gate or up is read again after this
+backward (retain_graph, or a shared tensor).
 
 Given the `down` projection, the op computes down(act(gate) * up) and does not keep the product
 for down's weight gradient: backward recomputes it from the saved gate and up (one elementwise
-pass) instead of holding rows x intermediate values per layer from forward to backward. Its
-transient memory is what nn.Linear's backward allocates anyway (one rows x intermediate
-buffer, first the product, then d_product in the same place)."""
+pass) instead of holding rows x intermediate values per layer from forward to backward. The
+backward kernel that reads d_product writes the product over it (WRITE_PRODUCT), so the
+recompute costs one more write, not a pass of its own, and the transient is what nn.Linear's
+backward allocates anyway: one rows x intermediate buffer."""
 
 from __future__ import annotations
 
@@ -20,9 +22,38 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from memplan.errors import UsageError
 from memplan.kernels._utils import as_rows, elementwise_launch_config, on_device, use_custom_op
+
+
+@triton.jit
+def tile_of(pid, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """(rows[:, None], cols[None, :]) of tile `pid` on a 1-d grid: the column blocks of a row
+    group are consecutive programs, so neighbouring programs touch neighbouring memory (a 2-d
+    grid with rows on axis 0 walks down a column block instead). Row indices are int64."""
+    n_col_blocks = tl.cdiv(n_cols, BLOCK)
+    pid = pid.to(tl.int64)
+    rows = (pid // n_col_blocks) * ROWS + tl.arange(0, ROWS)
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    return rows[:, None], cols[None, :]
+
+
+@triton.jit
+def load_tile(ptr, row_stride, rows, cols, mask):
+    """A (ROWS x BLOCK) tile of a row-strided tensor, in fp32."""
+    return tl.load(ptr + rows * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tile(ptr, row_stride, rows, cols, value, mask):
+    """`value` into a (ROWS x BLOCK) tile of a row-strided tensor, in its dtype."""
+    tl.store(ptr + rows * row_stride + cols, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(n_rows: int, n_cols: int, rows: int, block: int) -> tuple[int]:
+    return (triton.cdiv(n_rows, rows) * triton.cdiv(n_cols, block),)
 
 
 class GluOp:
@@ -43,9 +74,8 @@ class GluOp:
         if n_rows == 0:
             return out
         rows, block, num_warps = elementwise_launch_config(n_cols)
-        grid = (triton.cdiv(n_rows, rows), triton.cdiv(n_cols, block))
         with on_device(gate):
-            self.forward_kernel[grid](
+            self.forward_kernel[_grid(n_rows, n_cols, rows, block)](
                 g2,
                 u2,
                 out,
@@ -68,36 +98,42 @@ class GluOp:
         up: torch.Tensor,
         dgate: torch.Tensor | None = None,
         dup: torch.Tensor | None = None,
+        product: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d_gate, d_up), written into `dgate`/`dup` when given (they may be gate/up
-        themselves: each element is read before it is written, by the same program)."""
+        """(d_gate, d_up), written into `dgate`/`dup` when given; with `product`, the forward's
+        output act(gate) * up is written there too. Any of the three may be one of the inputs
+        (dgate=gate, dup=up, product=dout): each element is read before it is written, by the
+        same program."""
         do2, g2, u2 = as_rows(dout), as_rows(gate), as_rows(up)
         if dgate is None:
             dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         if dup is None:
             dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
         dg2, du2 = as_rows(dgate), as_rows(dup)
+        p2 = du2 if product is None else product.view(-1, product.shape[-1])
         n_rows, n_cols = g2.shape
         if n_rows == 0:
             return dgate, dup
         rows, block, num_warps = elementwise_launch_config(n_cols)
-        grid = (triton.cdiv(n_rows, rows), triton.cdiv(n_cols, block))
         with on_device(gate):
-            self.backward_kernel[grid](
+            self.backward_kernel[_grid(n_rows, n_cols, rows, block)](
                 do2,
                 g2,
                 u2,
                 dg2,
                 du2,
+                p2,
                 do2.stride(0),
                 g2.stride(0),
                 u2.stride(0),
                 dg2.stride(0),
                 du2.stride(0),
+                p2.stride(0),
                 n_rows,
                 n_cols,
                 ROWS=rows,
                 BLOCK=block,
+                WRITE_PRODUCT=product is not None,
                 num_warps=num_warps,
                 **self.constants,
             )
@@ -169,15 +205,14 @@ class GluOp:
                 d_rows = d_out.reshape(-1, d_out.shape[-1])
                 if ctx.needs_input_grad[3]:
                     d_bias = d_rows.sum(0)
-                product = forward(gate, up)
-                if ctx.needs_input_grad[2]:
-                    d_weight = d_rows.t().mm(product.view(-1, product.shape[-1]))
-                torch.matmul(d_out, weight, out=product)  # d_product takes the product's place
+                buffer = torch.matmul(d_out, weight)  # d_product, then the product over it
                 if ctx.in_place_backward and gate.is_contiguous() and up.is_contiguous():
-                    backward(product, gate, up, dgate=gate, dup=up)
+                    backward(buffer, gate, up, dgate=gate, dup=up, product=buffer)
                     d_gate, d_up = gate.view(gate.shape), up.view(up.shape)
                 else:
-                    d_gate, d_up = backward(product, gate, up)
+                    d_gate, d_up = backward(buffer, gate, up, product=buffer)
+                if ctx.needs_input_grad[2]:
+                    d_weight = d_rows.t().mm(buffer.view(-1, buffer.shape[-1]))
                 return d_gate, d_up, d_weight, d_bias, None
 
         self._custom, self._function, self._down_function = custom, Function, DownFunction

@@ -133,14 +133,17 @@ def norm_forward_config(n_cols: int) -> tuple[int, int, int]:
 def norm_backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, ...]:
     """(BLOCK_N, ROWS, num_warps, n_programs, rows_per_program) for the norm backward kernels,
     where each program walks a contiguous range of rows and keeps a (hidden,) fp32 partial of
-    dW: fewer programs mean a smaller partial buffer, more mean more loads in flight. Measured
-    on H200: 8 programs/SM at hidden 1K, 2 at 4K, 1 at 16K (78-80% of copy at 4K and up)."""
+    dW: tiles of ~4K elements, 2 programs per SM up to 4K-element tiles (pairs share a partial
+    row: memplan.kernels._partials), 1 above. Measured on H200 (--tune of
+    benchmarks/bench_kernels.py): 80% of copy at 65536 x 4096 and 72% at 16384 x 16384 (the
+    best of 4-32 warps, 1-8 rows and 1-8 programs per SM); at hidden 1K, 4 rows x 8 warps x 2
+    per SM take 51 us for 16384 rows against 45 us with 8 per SM, whose partials are 4x larger."""
     block_n = triton.next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise UsageError(f"fused norms support rows of at most {MAX_FUSED_SIZE}, got {n_cols}.")
-    rows = max(1, 1024 // block_n)
+    rows = max(1, 4096 // block_n)
     tile = block_n * rows
-    per_sm = max(1, 8192 // tile)
+    per_sm = 2 if tile <= 4096 else 1
     n_programs = min(triton.cdiv(n_rows, rows), num_sms(device) * per_sm)
     rows_per_program = triton.cdiv(n_rows, n_programs)
     n_programs = triton.cdiv(n_rows, rows_per_program)

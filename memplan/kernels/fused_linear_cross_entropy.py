@@ -11,7 +11,8 @@ there are three schedules (kernel_contracts.flce_transient_bytes has their exact
   chunk (one GEMM), an fp32 weight (accumulated in dW itself), or no dW at all (frozen weight).
 - one_pass_fp32_acc: several chunks with a bf16/fp16 weight, dW accumulated by cuBLAS into an
   fp32 (vocab x hidden) buffer (addmm with out_dtype=float32). Only under a memory_budget that
-  holds it: three GEMMs, the fastest exact schedule, at 2 x dW(bf16) more memory.
+  holds it: three GEMMs, the fastest exact schedule, at 2 x dW(bf16) more memory. dW itself is
+  allocated after the last chunk, once the logits buffer is freed, so the two never coexist.
 - two_pass: the default otherwise. Pass 1 per row chunk: logits, loss, the per-row log-sum-exp
   and dX. Pass 2 per vocabulary slice: the slice's logits again for all rows, their gradient from
   the stored log-sum-exp, and dW[slice] in one GEMM over all rows. Exact (each element of dW is
@@ -184,8 +185,12 @@ def _flce(
     dx = (
         torch.empty(hidden.shape, dtype=dtype, device=device) if compute_dx else hidden.new_empty(0)
     )
+    # with the fp32 accumulator, dW is allocated only once the logits buffer is released
+    late_dw = compute_dw and schedule == "one_pass_fp32_acc" and n_rows > 0
     dw = (
-        torch.empty(weight.shape, dtype=dtype, device=device) if compute_dw else weight.new_empty(0)
+        torch.empty(weight.shape, dtype=dtype, device=device)
+        if compute_dw and not late_dw
+        else weight.new_empty(0)
     )
     db = hidden.new_empty(0)
     chunk = max(1, min(chunk, n_rows))
@@ -215,6 +220,7 @@ def _flce(
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if compute_db else None
 
     dw_started = False
+    logits = None
     for i, chunk_has_targets in enumerate(has_targets):
         r0, r1 = i * chunk, min(n_rows, (i + 1) * chunk)
         if not chunk_has_targets:
@@ -253,10 +259,12 @@ def _flce(
         _dw_by_vocab_slices(
             hidden, weight, bias, target, lse_rows, buffer, has_targets, chunk, dw, scale_of, ce
         )
+    elif acc is not None:
+        del buffer, logits  # the chunk's logits: dW takes their place, not their sum with acc
+        dw = acc.to(dtype) if dw_started else torch.zeros(weight.shape, dtype=dtype, device=device)
+        del acc
     elif compute_dw and not dw_started:
         dw.zero_()
-    elif acc is not None:
-        dw.copy_(acc)
     if db_acc is not None:
         db = db_acc.to(bias.dtype)
     if keep_rows:

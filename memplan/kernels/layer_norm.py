@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
+from memplan.kernels._partials import new_partials, partial_layout, store_partial, sum_partials
 from memplan.kernels._utils import (
     as_rows,
     norm_backward_config,
@@ -97,6 +98,7 @@ def _layer_norm_backward_kernel(
     rows_per_program,
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
 ):
@@ -137,9 +139,9 @@ def _layer_norm_backward_kernel(
             db_acc += dy
 
     if COMPUTE_DW:
-        tl.store(dw_partial_ptr + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        store_partial(dw_partial_ptr, pid, n_cols, cols, tl.sum(dw_acc, axis=0), col_mask, PAIRED)
     if COMPUTE_DB:
-        tl.store(db_partial_ptr + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+        store_partial(db_partial_ptr, pid, n_cols, cols, tl.sum(db_acc, axis=0), col_mask, PAIRED)
 
 
 # --- launchers ------------------------------------------------------------------------------
@@ -200,8 +202,8 @@ def layer_norm_backward(
         n_rows, n_cols, x.device
     )
 
-    # dW and dB partials in one buffer, so that one sum and one cast finish both
-    partials = torch.empty((n_partials, n_programs, n_cols), dtype=torch.float32, device=x.device)
+    # dW and dB partials in one buffer, so that one launch sums both
+    partials = new_partials(n_partials, n_programs, n_cols, x.device)
     dw_partial = partials[0] if compute_dw else dx  # dx: never written
     db_partial = partials[-1] if compute_db else dx
     with on_device(x):
@@ -222,11 +224,12 @@ def layer_norm_backward(
             rows_per_program,
             COMPUTE_DW=compute_dw,
             COMPUTE_DB=compute_db,
+            PAIRED=partial_layout(n_programs, x.device)[1],
             BLOCK_N=block_n,
             ROWS=rows,
             num_warps=num_warps,
         )
-    return dx, partials.sum(1).to(weight.dtype)
+    return dx, sum_partials(partials, weight.dtype)
 
 
 # --- custom ops and autograd ----------------------------------------------------------------

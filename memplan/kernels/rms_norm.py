@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
+from memplan.kernels._partials import new_partials, partial_layout, store_partial, sum_partials
 from memplan.kernels._utils import (
     as_rows,
     norm_backward_config,
@@ -107,6 +108,7 @@ def _rms_norm_backward_kernel(
     offset,
     GEMMA: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
 ):
@@ -144,7 +146,7 @@ def _rms_norm_backward_kernel(
             dw_acc += dy * normed
 
     if COMPUTE_DW:
-        tl.store(dw_partial_ptr + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        store_partial(dw_partial_ptr, pid, n_cols, cols, tl.sum(dw_acc, axis=0), col_mask, PAIRED)
 
 
 # --- launchers ------------------------------------------------------------------------------
@@ -209,7 +211,7 @@ def rms_norm_backward(
         n_rows, n_cols, x.device
     )
     dw_partial = (
-        torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
+        new_partials(1, n_programs, n_cols, x.device)
         if compute_dw
         else dx2  # never written: COMPUTE_DW=False
     )
@@ -230,11 +232,12 @@ def rms_norm_backward(
             offset,
             GEMMA=gemma,
             COMPUTE_DW=compute_dw,
+            PAIRED=partial_layout(n_programs, x.device)[1],
             BLOCK_N=block_n,
             ROWS=rows,
             num_warps=num_warps,
         )
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+    dw = sum_partials(dw_partial, weight.dtype)[0] if compute_dw else None
     return dx, dw
 
 

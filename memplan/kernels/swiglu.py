@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from memplan.kernels._glu import GatedMLP, GluOp
+from memplan.kernels._glu import GatedMLP, GluOp, load_tile, store_tile, tile_of
 
 
 def reference_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -38,13 +38,12 @@ def _swiglu_forward_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
-    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    rows, cols = tile_of(tl.program_id(0), n_cols, ROWS, BLOCK)
     mask = (rows < n_rows) & (cols < n_cols)
-    g = tl.load(gate_ptr + rows * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + rows * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
+    u = load_tile(up_ptr, up_row_stride, rows, cols, mask)
     out = g * tl.sigmoid(g) * u
-    tl.store(out_ptr + rows * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile(out_ptr, out_row_stride, rows, cols, out, mask)
 
 
 @triton.jit
@@ -54,30 +53,32 @@ def _swiglu_backward_kernel(
     up_ptr,
     dgate_ptr,
     dup_ptr,
+    product_ptr,
     dout_row_stride,
     gate_row_stride,
     up_row_stride,
     dgate_row_stride,
     dup_row_stride,
+    product_row_stride,
     n_rows,
     n_cols,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    WRITE_PRODUCT: tl.constexpr,
 ):
-    rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
-    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    rows, cols = tile_of(tl.program_id(0), n_cols, ROWS, BLOCK)
     mask = (rows < n_rows) & (cols < n_cols)
-    do = tl.load(dout_ptr + rows * dout_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + rows * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + rows * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    do = load_tile(dout_ptr, dout_row_stride, rows, cols, mask)
+    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
+    u = load_tile(up_ptr, up_row_stride, rows, cols, mask)
     sig = tl.sigmoid(g)
     silu = g * sig
     dg = do * u * (sig * (1.0 + g * (1.0 - sig)))
     du = do * silu
-    tl.store(
-        dgate_ptr + rows * dgate_row_stride + cols, dg.to(dgate_ptr.dtype.element_ty), mask=mask
-    )
-    tl.store(dup_ptr + rows * dup_row_stride + cols, du.to(dup_ptr.dtype.element_ty), mask=mask)
+    store_tile(dgate_ptr, dgate_row_stride, rows, cols, dg, mask)
+    store_tile(dup_ptr, dup_row_stride, rows, cols, du, mask)
+    if WRITE_PRODUCT:  # the forward's output again, same expression, for down_proj's dW
+        store_tile(product_ptr, product_row_stride, rows, cols, silu * u, mask)
 
 
 # --- op, autograd and public API (memplan.kernels._glu) ----------------------------------------

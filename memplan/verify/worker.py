@@ -328,7 +328,7 @@ def _record_timeline(trainer: _Trainer) -> list[dict[str, Any]]:
     return [e.model_dump() for e in kept]
 
 
-def _profile(case: VerifyCase, trainer: _Trainer, rec: dict[str, Any], top: int = 15) -> None:
+def _profile(case: VerifyCase, trainer: _Trainer, rec: dict[str, Any], top: int = 40) -> None:
     """torch.profiler over 2 steady-state steps after 2 warm-up steps (Triton compiles,
     cuBLAS picks its algorithms, the optimizer states appear)."""
     import torch

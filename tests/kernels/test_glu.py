@@ -96,6 +96,32 @@ def test_down_projection_recomputes_the_product(device, op, reference, dtype, bi
         assert g.dtype == dtype and rel(g, w) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("op,reference", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_down_weight_gradient_is_bitwise_the_unfused_one(device, op, reference, dtype):
+    """The product the backward kernel writes over d_product is the forward's output bit for
+    bit, so down_proj's weight gradient equals the one autograd computes from a kept product."""
+    torch.manual_seed(1)
+    down = torch.nn.Linear(96, 40, bias=False).to(device, dtype)
+    gate = (torch.randn(2, 19, 96, device=device) * 3).to(dtype).requires_grad_()
+    up = torch.randn(2, 19, 96, device=device, dtype=dtype, requires_grad=True)
+    d_out = torch.randn(2, 19, 40, device=device, dtype=dtype)
+    (fused,) = torch.autograd.grad(op(gate, up, down=down), down.weight, d_out)
+    (kept,) = torch.autograd.grad(down(op(gate, up)), down.weight, d_out)
+    assert torch.equal(fused, kept)
+
+
+@pytest.mark.parametrize("op,reference", OPS)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_rows_wider_than_one_tile(device, op, reference, in_place):
+    """Rows of several column blocks plus a ragged last block: every tile of the 1-d grid maps
+    to its own (row group, column block)."""
+    torch.manual_seed(2)
+    gate = torch.randn(3, 4100, device=device, requires_grad=True)
+    up = torch.randn(3, 4100, device=device, requires_grad=True)
+    run_and_compare(op, reference, gate, up, torch.float32, in_place=in_place)
+
+
 def test_down_projection_with_hooks_keeps_the_module_call(device):
     """A hooked down projection (PEFT, FSDP) is called as a module: the product is saved."""
     down = torch.nn.Linear(48, 32).to(device)
