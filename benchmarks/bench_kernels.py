@@ -1,10 +1,12 @@
 """Elementwise kernels on one GPU: RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU.
 
-For each op and size: forward and forward+backward median time (triton.testing.do_bench),
-GB/s and share of the device-to-device copy bandwidth measured in the same run, and the peak
-memory of one forward+backward above its inputs, for HF eager, torch.compile of the eager code,
-Liger-Kernel and memplan. Gradients are taken with torch.autograd.grad (no .grad accumulation),
-as inside a model where the inputs are activations, not leaves.
+For each op and size: forward and forward+backward median time (triton.testing.do_bench), the
+forward+backward replayed from a CUDA graph (do_bench_cudagraph: the GPU's time without the
+host's per-call cost, which dominates at small sizes), GB/s and share of the device-to-device
+copy bandwidth measured in the same run, and the peak memory of one forward+backward above its
+inputs, for HF eager, torch.compile of the eager code, Liger-Kernel and memplan. Gradients are
+taken with torch.autograd.grad (no .grad accumulation), as inside a model where the inputs are
+activations, not leaves.
 
 Bytes counted (the minimum any implementation must move): RMSNorm/LayerNorm forward = read x +
 write y, backward = read x, read dy, write dx; RoPE forward = read + write q and k, backward the
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from memplan.kernels import _glu as mp_glu
 from memplan.kernels import geglu as mp_geglu
@@ -80,6 +82,7 @@ class Row:
     fwdbwd_bytes: int
     peak_mib: float
     max_rel_err: float = float("nan")
+    graph_ms: float = float("nan")  # fwd+bwd replayed from a CUDA graph: GPU time, no host
     extra: dict = field(default_factory=dict)
 
 
@@ -114,15 +117,29 @@ def peak_mib(step: Callable[[], object]) -> float:
     return peak / 2**20
 
 
-def measure(case: Case) -> tuple[float, float, float]:
+def graph_ms(fn: Callable[[], object]) -> float:
+    """Median time of `fn` replayed from a CUDA graph: the GPU's time alone, which the host's
+    per-call cost (Python, autograd, launches) hides at small sizes; NaN if it cannot be
+    captured."""
+    try:
+        return do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
+    except Exception as exc:  # a capture failure only costs the column
+        print(f"  no CUDA graph: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return float("nan")
+
+
+def measure(case: Case) -> tuple[float, float, float, float]:
     gc.collect()
     gc.disable()  # a collection inside a timed loop shows up as host time at small sizes
     try:
         fwd = bench_ms(case.run)
         both = bench_ms(lambda: fwd_bwd(case))
+        peak = peak_mib(lambda: fwd_bwd(case))  # before the graph and its private memory pool
+        graphed = graph_ms(lambda: fwd_bwd(case))
     finally:
         gc.enable()
-    return fwd, both, peak_mib(lambda: fwd_bwd(case))
+    return fwd, both, peak, graphed
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -302,9 +319,9 @@ def run_op(op: str, size: tuple[int, ...]) -> list[Row]:
         case = factory()
         # checked before timing: in-place implementations overwrite their inputs
         err = max(rel_err(o, r) for o, r in zip(case.run(), ref_outs))
-        fwd, both, peak = measure(case)
+        fwd, both, peak, graphed = measure(case)
         rows.append(Row(op, "x".join(map(str, size)), impl, fwd, both, fwd_bytes, both_bytes,
-                        peak, err))  # fmt: skip
+                        peak, err, graphed))  # fmt: skip
         del case
         gc.collect()
         torch.cuda.empty_cache()
@@ -476,15 +493,15 @@ NOTES = """## Why goals are missed where they are
 def table(rows: list[Row], copy_gbs: float) -> list[str]:
     out = [
         "| size | impl | fwd ms | fwd GB/s (% copy) | fwd+bwd ms | fwd+bwd GB/s (% copy) "
-        "| peak MiB | fwd rel err |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| fwd+bwd ms, CUDA graph | peak MiB | fwd rel err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fg, bg = r.fwd_bytes / r.fwd_ms / 1e6, r.fwdbwd_bytes / r.fwdbwd_ms / 1e6
         out.append(
             f"| {r.size} | {r.impl} | {r.fwd_ms:.3f} | {fg:.0f} ({100 * fg / copy_gbs:.0f}%) "
-            f"| {r.fwdbwd_ms:.3f} | {bg:.0f} ({100 * bg / copy_gbs:.0f}%) | {r.peak_mib:.1f} "
-            f"| {r.max_rel_err:.1e} |"
+            f"| {r.fwdbwd_ms:.3f} | {bg:.0f} ({100 * bg / copy_gbs:.0f}%) | {r.graph_ms:.3f} "
+            f"| {r.peak_mib:.1f} | {r.max_rel_err:.1e} |"
         )
     return out
 
@@ -494,8 +511,8 @@ def goals(rows: list[Row], copy_gbs: float) -> list[str]:
     copy bandwidth at >= 64M elements."""
     out = [
         "| op | size | memplan/Liger fwd+bwd | memplan/compile fwd+bwd | memplan/Liger peak "
-        "| goals |",
-        "|---|---|---:|---:|---:|---|",
+        "| goals | GPU time alone (CUDA graph): memplan/Liger, memplan/compile |",
+        "|---|---|---:|---:|---:|---|---|",
     ]
     by_key: dict[tuple[str, str], dict[str, Row]] = {}
     for r in rows:
@@ -525,7 +542,13 @@ def goals(rows: list[Row], copy_gbs: float) -> list[str]:
                     f" ({label}: {in_place.fwdbwd_ms / liger.fwdbwd_ms:.2f} x Liger's "
                     f"time, {in_place.peak_mib / liger.peak_mib:.2f} x its peak)"
                 )
-        out.append(f"| {op} | {size} | {t_liger:.2f} | {t_comp:.2f} | {mem:.2f} | {verdict} |")
+        graphed = f"{ours.graph_ms / liger.graph_ms:.2f}, {ours.graph_ms / comp.graph_ms:.2f}"
+        for label in ("memplan in-place bwd", "memplan in place"):
+            if label in impls:
+                graphed += f" ({label}: {impls[label].graph_ms / liger.graph_ms:.2f} x Liger)"
+        out.append(
+            f"| {op} | {size} | {t_liger:.2f} | {t_comp:.2f} | {mem:.2f} | {verdict} | {graphed} |"
+        )
     return out
 
 
