@@ -24,7 +24,7 @@ from bench_e2e import CASES  # noqa: E402
 from measure_grid import plan  # noqa: E402
 
 from memplan.schema import ProfileTable  # noqa: E402
-from memplan.verify.runner import _run_child  # noqa: E402
+from memplan.verify.runner import run_case  # noqa: E402
 
 VARIANTS = ("liger", "memplan")
 
@@ -39,10 +39,9 @@ def profile(model: str, layers: int | None, batch: int, seq: int, variant: str) 
         layers=layers,
         liger=variant == "liger",
     )
-    case = case.model_copy(update={"mode": "profile"})
-    result, stderr = _run_child(case, timeout_s=300, python=None)
+    result = run_case(case.model_copy(update={"mode": "profile"}), predict=False, timeout_s=300)
     if result.status != "ok" or not result.profile:
-        raise RuntimeError(f"{case.case}: {result.error or result.status} {stderr[-500:]}")
+        raise RuntimeError(f"{case.case}: {result.error or result.status}")
     return ProfileTable.model_validate(result.profile["self"])
 
 

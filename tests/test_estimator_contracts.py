@@ -31,30 +31,26 @@ def predicted(model_type: str, precision: str, attn: str, backend: str) -> int:
     return forward_saved(spec, setup, backend=backend, rounded=False).total
 
 
-def saved_bytes_live(model_type: str, precision: str, attn: str) -> int:
+def saved_bytes_live(saved_storage_bytes, model_type: str, precision: str, attn: str) -> int:
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn).train()
-    return saved_bytes_of(model, cfg.vocab_size, autocast=precision.startswith("amp"))
+    return saved_bytes_of(
+        saved_storage_bytes, model, cfg.vocab_size, autocast=precision.startswith("amp")
+    )
 
 
-def saved_bytes_of(model: torch.nn.Module, vocab: int, autocast: bool) -> int:
-    """One forward on the CPU under saved_tensors_hooks: unique storages, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
+def saved_bytes_of(saved_storage_bytes, model: torch.nn.Module, vocab: int, autocast: bool) -> int:
+    """One forward on the CPU: the unique storages autograd saves, parameters excluded (the
+    conftest fixture `saved_storage_bytes`)."""
     ids = torch.randint(0, vocab, (PROBE["batch"], PROBE["seq"]))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+
+    def forward() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             model(input_ids=ids, labels=ids)
-    return sum(seen.values())
+
+    return saved_storage_bytes(forward, model)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -78,11 +74,11 @@ LIVE = [c for c in CASES if not c.startswith("gemma2/") or c.endswith("/eager")]
 
 
 @pytest.mark.parametrize("case", LIVE)
-def test_matches_autograd_on_cpu(case: str) -> None:
+def test_matches_autograd_on_cpu(case: str, saved_storage_bytes) -> None:
     model_type, precision, attn = case.split("/")
     if precision.startswith("amp"):
         pytest.skip("CPU autocast casts other ops than CUDA autocast; checked against the probe")
-    measured = saved_bytes_live(model_type, precision, attn)
+    measured = saved_bytes_live(saved_storage_bytes, model_type, precision, attn)
     assert_saved(model_type, predicted(model_type, precision, attn, "cpu"), measured)
 
 
@@ -105,7 +101,9 @@ def assert_saved(model_type: str, expected: int, measured: int) -> None:
         ("mixtral", ("q_proj", "v_proj")),
     ],
 )
-def test_lora_matches_autograd_on_cpu(model_type: str, targets: tuple[str, ...]) -> None:
+def test_lora_matches_autograd_on_cpu(
+    model_type: str, targets: tuple[str, ...], saved_storage_bytes
+) -> None:
     """peft LoRA (fp32 adapters on a frozen bf16 base): only what the adapters' gradients need."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -113,7 +111,7 @@ def test_lora_matches_autograd_on_cpu(model_type: str, targets: tuple[str, ...])
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=list(targets), lora_dropout=0.0)
     model = peft.get_peft_model(model, config).train()
-    measured = saved_bytes_of(model, cfg.vocab_size, autocast=False)
+    measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=False)
     spec = spec_from_config(probe_config(model_type))
     setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], lora_rank=16, lora_targets=targets)
     assert_saved(
@@ -132,7 +130,9 @@ def test_lora_matches_autograd_on_cpu(model_type: str, targets: tuple[str, ...])
         ("mixtral", ("rms_norm", "rope", "flce"), "bf16"),
     ],
 )
-def test_patched_model_matches_autograd_on_cpu(model_type, kernels, precision) -> None:
+def test_patched_model_matches_autograd_on_cpu(
+    model_type, kernels, precision, saved_storage_bytes
+) -> None:
     """With memplan's kernels applied, the estimator's contracts of those kernels hold too."""
     import memplan
 
@@ -141,7 +141,7 @@ def test_patched_model_matches_autograd_on_cpu(model_type, kernels, precision) -
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
     memplan.apply(model, plan=None, kernels=list(kernels))
-    measured = saved_bytes_of(model, cfg.vocab_size, autocast=False)
+    measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=False)
     spec = spec_from_config(probe_config(model_type))
     setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], precision=precision, kernels=kernels)
     assert_saved(

@@ -66,7 +66,7 @@ ELEMENTWISE_TILE = 2048
 
 
 def elementwise_launch_config(n_cols: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK, num_warps) for elementwise kernels over a 2-D grid of (ROWS x BLOCK) tiles:
+    """(ROWS, BLOCK, num_warps) for elementwise kernels over (ROWS x BLOCK) tiles:
     wide rows are split into column blocks, narrow rows grouped so each program moves the same
     ELEMENTWISE_TILE elements per tensor."""
     block = min(triton.next_power_of_2(n_cols), ELEMENTWISE_TILE)
