@@ -273,12 +273,13 @@ def _scale_rows_kernel(
 # --- launchers ------------------------------------------------------------------------------
 
 # Measured on an H200 (docs/bench_loss.md, launch-config sweep): rows up to SINGLE_BLOCK_MAX
-# elements are held in registers (one read); longer rows are streamed in blocks, twice (the
-# second read partly from L2). One 32K block in registers (1 program per SM) was slower than
-# four 8K blocks streamed (several programs per SM overlap their load and compute phases).
+# elements are held in registers (one read); longer rows are streamed in blocks of LOOP_BLOCK,
+# twice (online max/sum, then the gradient). At vocab 32000-256000, 8192-element blocks with 8
+# warps are within 1% of the fastest configuration with the gradient and the fastest without it
+# (91-94% of copy, against 71-74% for 16K blocks with 32 warps). One 32K block in registers (1
+# program per SM) was slower, and so were rows split over several programs (docs/bench_loss.md).
 SINGLE_BLOCK_MAX = 8192
 LOOP_BLOCK = 8192
-LOOP_BLOCK_LARGE_VOCAB = 16384  # 32 warps, for rows of at least 65536
 
 
 def _row_launch_config(n_cols: int) -> tuple[int, bool, int]:
@@ -286,8 +287,6 @@ def _row_launch_config(n_cols: int) -> tuple[int, bool, int]:
     block = triton.next_power_of_2(max(n_cols, 1))
     if block <= SINGLE_BLOCK_MAX:
         return block, True, 4 if block <= 1024 else 8
-    if n_cols >= 65536:
-        return LOOP_BLOCK_LARGE_VOCAB, False, 32
     return LOOP_BLOCK, False, 8 if LOOP_BLOCK >= 2048 else 4
 
 
