@@ -193,3 +193,24 @@ def test_paired_partials_are_exact_and_deterministic(device, n_rows):
     dy = torch.randn_like(y)
     first = torch.autograd.grad(y, w, dy, retain_graph=True)[0]
     assert torch.equal(first, torch.autograd.grad(y, w, dy)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_one_row_per_step_backward(device, monkeypatch, dtype, casting, offset):
+    """The backward with one row per loop step (its configuration from hidden 4096 up), forced
+    here on a small odd hidden size, with paired partials and dX written over dy."""
+    from memplan.kernels import rms_norm as module
+    from memplan.kernels._utils import norm_backward_config
+
+    def one_row(n_rows, n_cols, dev):
+        block_n, _, num_warps, _, _ = norm_backward_config(n_rows, n_cols, dev)
+        n_programs = min(n_rows, 2 * 4 + 1)  # more programs than the interpreter's 4 "SMs"
+        per_program = -(-n_rows // n_programs)
+        return block_n, 1, num_warps, -(-n_rows // per_program), per_program
+
+    monkeypatch.setattr(module, "norm_backward_config", one_row)
+    torch.manual_seed(2)
+    x = torch.randn(3, 41, 127, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(127, device=device) * 0.5 + (1.0 - offset)).to(dtype).requires_grad_()
+    run_and_compare(x, w, dtype, casting, offset, in_place=True)
