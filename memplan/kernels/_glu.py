@@ -25,7 +25,13 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
-from memplan.kernels._utils import as_rows, elementwise_launch_config, on_device, use_custom_op
+from memplan.kernels._utils import (
+    as_rows,
+    cdiv,
+    elementwise_launch_config,
+    on_device,
+    use_custom_op,
+)
 
 
 @triton.jit
@@ -53,7 +59,7 @@ def store_tile(ptr, row_stride, rows, cols, value, mask):
 
 
 def _grid(n_rows: int, n_cols: int, rows: int, block: int) -> tuple[int]:
-    return (triton.cdiv(n_rows, rows) * triton.cdiv(n_cols, block),)
+    return (cdiv(n_rows, rows) * cdiv(n_cols, block),)
 
 
 class GluOp:

@@ -14,13 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from memplan.kernels._utils import num_sms, on_device
+from memplan.kernels._utils import cdiv, next_power_of_2, num_sms, on_device
 
 
 def partial_layout(n_programs: int, device: torch.device) -> tuple[int, bool]:
     """(partial rows, paired): pairs of programs share a row when programs outnumber SMs."""
     if n_programs > num_sms(device):
-        return triton.cdiv(n_programs, 2), True
+        return cdiv(n_programs, 2), True
     return n_programs, False
 
 
@@ -71,9 +71,9 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if out.numel() == 0:
         return out
     rows, block = SUM_TILE
-    block = min(triton.next_power_of_2(n_cols), block)
+    block = min(next_power_of_2(n_cols), block)
     with on_device(partials):
-        _sum_partials_kernel[(triton.cdiv(n_cols, block), n_sums)](
+        _sum_partials_kernel[(cdiv(n_cols, block), n_sums)](
             partials, out, n_rows, n_cols, ROWS=rows, BLOCK=block, num_warps=4
         )
     return out

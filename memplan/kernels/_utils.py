@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
@@ -44,10 +43,22 @@ def calculate_settings(n: int) -> tuple[int, int]:
     """(BLOCK_SIZE, num_warps) for a kernel that holds one row of n elements in one program:
     the next power of two and warps scaled so each thread holds ~8-16 elements (16-byte loads
     of bf16 fill one vector per thread per 8 elements)."""
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     if block > MAX_FUSED_SIZE:
         raise ValueError(f"row of {n} elements exceeds the fused limit of {MAX_FUSED_SIZE}")
     return block, num_warps_for(block)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch arithmetic. triton.cdiv and triton.next_power_of_2 are
+    ConstexprFunctions costing ~3 us of host time per call from Python (triton 3.9), ten per
+    RMSNorm forward+backward: half of its launchers' own host time."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for n <= 0, as triton.next_power_of_2)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def num_warps_for(block: int) -> int:
@@ -69,7 +80,7 @@ def elementwise_launch_config(n_cols: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK, num_warps) for elementwise kernels over (ROWS x BLOCK) tiles:
     wide rows are split into column blocks, narrow rows grouped so each program moves the same
     ELEMENTWISE_TILE elements per tensor."""
-    block = min(triton.next_power_of_2(n_cols), ELEMENTWISE_TILE)
+    block = min(next_power_of_2(n_cols), ELEMENTWISE_TILE)
     rows = ELEMENTWISE_TILE // block
     return rows, block, num_warps_for(rows * block)
 
@@ -123,7 +134,7 @@ def norm_forward_config(n_cols: int) -> tuple[int, int, int]:
     program. Measured on H200 (--tune of benchmarks/bench_kernels.py): ~4K elements per program
     (narrow rows grouped), warps from num_warps_for: 98% of copy bandwidth at 4K and 16K
     hidden, 76% at 1K."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise UsageError(f"fused norms support rows of at most {MAX_FUSED_SIZE}, got {n_cols}.")
     rows = max(1, min(16, 4096 // block_n))
@@ -138,15 +149,15 @@ def norm_backward_config(n_rows: int, n_cols: int, device: torch.device) -> tupl
     benchmarks/bench_kernels.py): 80% of copy at 65536 x 4096 and 72% at 16384 x 16384 (the
     best of 4-32 warps, 1-8 rows and 1-8 programs per SM); at hidden 1K, 4 rows x 8 warps x 2
     per SM take 51 us for 16384 rows against 45 us with 8 per SM, whose partials are 4x larger."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise UsageError(f"fused norms support rows of at most {MAX_FUSED_SIZE}, got {n_cols}.")
     rows = max(1, 4096 // block_n)
     tile = block_n * rows
     per_sm = 2 if tile <= 4096 else 1
-    n_programs = min(triton.cdiv(n_rows, rows), num_sms(device) * per_sm)
-    rows_per_program = triton.cdiv(n_rows, n_programs)
-    n_programs = triton.cdiv(n_rows, rows_per_program)
+    n_programs = min(cdiv(n_rows, rows), num_sms(device) * per_sm)
+    rows_per_program = cdiv(n_rows, n_programs)
+    n_programs = cdiv(n_rows, rows_per_program)
     return block_n, rows, num_warps_for(tile), n_programs, rows_per_program
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from memplan.errors import UsageError
+from memplan.kernels._utils import cdiv, next_power_of_2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -284,7 +285,7 @@ LOOP_BLOCK = 8192
 
 def _row_launch_config(n_cols: int) -> tuple[int, bool, int]:
     """(BLOCK, SINGLE_BLOCK, num_warps) for the one-program-per-row kernels."""
-    block = triton.next_power_of_2(max(n_cols, 1))
+    block = next_power_of_2(max(n_cols, 1))
     if block <= SINGLE_BLOCK_MAX:
         return block, True, 4 if block <= 1024 else 8
     return LOOP_BLOCK, False, 8 if LOOP_BLOCK >= 2048 else 4
@@ -363,7 +364,7 @@ def launch_cross_entropy_grad_from_lse(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block = min(triton.next_power_of_2(max(n_cols, 1)), LOOP_BLOCK)
+    block = min(next_power_of_2(max(n_cols, 1)), LOOP_BLOCK)
     num_warps = 8 if block >= 2048 else 4
     _cross_entropy_grad_from_lse_kernel[(n_rows,)](
         logits,
@@ -394,8 +395,8 @@ def launch_scale_rows_(x: Tensor, scale: Tensor) -> None:
         return
     rows = x.view(1, -1) if x.dim() == 1 else x
     n_rows, n_cols = rows.shape
-    block = min(triton.next_power_of_2(n_cols), 4096)
-    grid = (n_rows, triton.cdiv(n_cols, block))
+    block = min(next_power_of_2(n_cols), 4096)
+    grid = (n_rows, cdiv(n_cols, block))
     _scale_rows_kernel[grid](
         rows, rows.stride(0), n_cols, scale, ROW_SCALE=scale.numel() > 1, BLOCK=block, num_warps=8
     )

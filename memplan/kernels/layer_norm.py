@@ -19,6 +19,7 @@ from memplan.errors import UsageError
 from memplan.kernels._partials import new_partials, partial_layout, store_partial, sum_partials
 from memplan.kernels._utils import (
     as_rows,
+    cdiv,
     norm_backward_config,
     norm_forward_config,
     on_device,
@@ -160,7 +161,7 @@ def layer_norm_forward(
         return y, mean, rstd
     block_n, rows, num_warps = norm_forward_config(n_cols)
     with on_device(x):
-        _layer_norm_forward_kernel[(triton.cdiv(n_rows, rows),)](
+        _layer_norm_forward_kernel[(cdiv(n_rows, rows),)](
             x2,
             weight,
             bias if bias is not None else weight,

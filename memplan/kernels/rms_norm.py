@@ -23,6 +23,7 @@ from memplan.errors import UsageError
 from memplan.kernels._partials import new_partials, partial_layout, store_partial, sum_partials
 from memplan.kernels._utils import (
     as_rows,
+    cdiv,
     norm_backward_config,
     norm_forward_config,
     on_device,
@@ -168,7 +169,7 @@ def rms_norm_forward(
         return y, rstd
     block_n, rows, num_warps = norm_forward_config(n_cols)
     with on_device(x):
-        _rms_norm_forward_kernel[(triton.cdiv(n_rows, rows),)](
+        _rms_norm_forward_kernel[(cdiv(n_rows, rows),)](
             x2,
             weight,
             y,

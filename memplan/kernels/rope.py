@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
-from memplan.kernels._utils import on_device, use_custom_op
+from memplan.kernels._utils import next_power_of_2, on_device, use_custom_op
 
 
 def reference_rope(
@@ -201,8 +201,8 @@ def _launch(
     q_out, k_out = (q, k) if in_place else (torch.empty_like(q), torch.empty_like(k))
     if q.numel() == 0:
         return q_out, k_out
-    block_d = triton.next_power_of_2(head_dim // 2)
-    block_qh, block_kh = triton.next_power_of_2(n_q_heads), triton.next_power_of_2(n_k_heads)
+    block_d = next_power_of_2(head_dim // 2)
+    block_qh, block_kh = next_power_of_2(n_q_heads), next_power_of_2(n_k_heads)
     with on_device(q):
         _rope_kernel[(batch * seq_len,)](
             q,
