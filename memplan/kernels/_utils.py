@@ -51,8 +51,8 @@ def calculate_settings(n: int) -> tuple[int, int]:
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch arithmetic. triton.cdiv and triton.next_power_of_2 are
-    ConstexprFunctions costing ~3 us of host time per call from Python (triton 3.9), ten per
-    RMSNorm forward+backward: half of its launchers' own host time."""
+    ConstexprFunctions (triton 3.6 and 3.9) costing ~3 us of host time per call from Python:
+    ten calls were half of an RMSNorm forward+backward's host time outside the launches."""
     return -(-a // b)
 
 
