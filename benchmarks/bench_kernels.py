@@ -513,8 +513,9 @@ NOTES = """## How the goals are judged
 
 - The judged row is memplan as `memplan.apply` runs it: RoPE in place and the GLU backward
   written over gate and up (Liger's modes, safe where the patcher uses them: the projections'
-  outputs are read by nothing else), the norms as they are. The functional defaults allocate
-  new tensors (q and k, d_gate and d_up) and are reported in the last column.
+  outputs are read by nothing else; for phi3, whose q and k are slices of one fused qkv
+  projection, RoPE stays out of place), the norms as they are. The functional defaults
+  allocate new tensors (q and k, d_gate and d_up) and are reported in the last column.
 - Host-bound sizes: where the GPU work is shorter than the host's per-call cost (section above),
   each implementation's do_bench time is its Python/autograd/launch overhead, not its kernel,
   and ratios there move with the host. The CUDA-graph column gives the GPU time alone.
