@@ -304,6 +304,12 @@ def traffic(op: str, size: tuple[int, ...]) -> tuple[int, int]:
     return 2 * t, 5 * t
 
 
+# The variant memplan.apply runs (memplan/patching): RoPE in place and the GLU backward written
+# over gate and up, as Liger does; the functional defaults allocate new tensors instead.
+DEPLOYED = {"rope": "memplan in place", "swiglu": "memplan in-place bwd",
+            "geglu": "memplan in-place bwd"}  # fmt: skip
+
+
 CASES = {
     "rms_norm": rms_norm_cases,
     "layer_norm": layer_norm_cases,
@@ -544,12 +550,6 @@ def table(rows: list[Row], copy_gbs: float) -> list[str]:
             f"| {r.peak_mib:.1f} | {r.max_rel_err:.1e} |"
         )
     return out
-
-
-# The variant memplan.apply runs (memplan/patching): RoPE in place and the GLU backward written
-# over gate and up, as Liger does; the functional defaults allocate new tensors instead.
-DEPLOYED = {"rope": "memplan in place", "swiglu": "memplan in-place bwd",
-            "geglu": "memplan in-place bwd"}  # fmt: skip
 
 
 def peak_ratio(ours: float, liger: float) -> float:

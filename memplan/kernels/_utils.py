@@ -39,16 +39,6 @@ def ensure_contiguous(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def calculate_settings(n: int) -> tuple[int, int]:
-    """(BLOCK_SIZE, num_warps) for a kernel that holds one row of n elements in one program:
-    the next power of two and warps scaled so each thread holds ~8-16 elements (16-byte loads
-    of bf16 fill one vector per thread per 8 elements)."""
-    block = next_power_of_2(n)
-    if block > MAX_FUSED_SIZE:
-        raise ValueError(f"row of {n} elements exceeds the fused limit of {MAX_FUSED_SIZE}")
-    return block, num_warps_for(block)
-
-
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch arithmetic. triton.cdiv and triton.next_power_of_2 are
     ConstexprFunctions (triton 3.6 and 3.9) costing ~3 us of host time per call from Python:
