@@ -121,9 +121,46 @@ def test_rms_norm_past_int32_offsets():
     assert rel(y[tail], ref) <= 1e-2
     dy = torch.randn_like(y)
     dy_tail = dy[tail].float()
-    (dx,) = torch.autograd.grad(y, x, dy)
+    # a copy: the in-place backward writes dX over the gradient it is given
+    dx, dw = torch.autograd.grad(y, (x, w), dy.clone())
     (dx_ref,) = torch.autograd.grad(ref, xt, dy_tail)
     assert rel(dx[tail], dx_ref) <= 1e-2
+    # dW sums over every row, those past 2**31 elements included: an fp64 sum by chunk, of the
+    # normalized x rounded to bf16 as the "llama" casting does before the weight multiply.
+    dw_ref = torch.zeros(hidden, device="cuda", dtype=torch.float64)
+    for start in range(0, x.shape[0], 65536):
+        xc = x[start : start + 65536].detach().float()
+        normed = (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        dw_ref += (dy[start : start + 65536].double() * normed.double()).sum(0)
+    assert rel(dw, dw_ref) <= 1e-2
+
+
+def test_layer_norm_past_int32_offsets():
+    hidden = 4096
+    x = (torch.randn(BIG // hidden, hidden, device="cuda") + 0.5).to(torch.bfloat16)
+    x.requires_grad_()
+    w = (torch.randn(hidden, device="cuda") * 0.1 + 1).to(torch.bfloat16).requires_grad_()
+    b = (torch.randn(hidden, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
+    y = layer_norm(x, w, b, 1e-5)
+    dy = torch.randn_like(y)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
+    tail = slice(-64, None)
+    xt = x[tail].detach().float().requires_grad_()
+    ref = reference_layer_norm(xt, w.detach().float(), b.detach().float(), 1e-5)
+    assert rel(y[tail], ref) <= 1e-2
+    (dx_ref,) = torch.autograd.grad(ref, xt, dy[tail].float())
+    assert rel(dx[tail], dx_ref) <= 1e-2
+    # dW and dB sum over every row, those past 2**31 elements included: fp64 sums by chunk.
+    dw_ref = torch.zeros(hidden, device="cuda", dtype=torch.float64)
+    db_ref = torch.zeros_like(dw_ref)
+    for start in range(0, x.shape[0], 65536):
+        rows = slice(start, start + 65536)
+        xc = x[rows].detach().double()
+        var = xc.var(-1, unbiased=False, keepdim=True)
+        x_hat = (xc - xc.mean(-1, keepdim=True)) * torch.rsqrt(var + 1e-5)
+        dw_ref += (dy[rows].double() * x_hat).sum(0)
+        db_ref += dy[rows].double().sum(0)
+    assert rel(dw, dw_ref) <= 1e-2 and rel(db, db_ref) <= 1e-2
 
 
 def test_swiglu_past_int32_offsets():
