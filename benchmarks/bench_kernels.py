@@ -42,7 +42,7 @@ from memplan.kernels import layer_norm as mp_layer_norm
 from memplan.kernels import rms_norm as mp_rms_norm
 from memplan.kernels import rope as mp_rope
 from memplan.kernels import swiglu as mp_swiglu
-from memplan.kernels._utils import num_sms
+from memplan.kernels._utils import NormBackwardConfig, norm_backward_config, num_sms
 
 DTYPE = torch.bfloat16
 EL = 2  # bytes per bf16 element
@@ -356,12 +356,22 @@ def _rows_config(r: int, warps: int) -> Callable[[int], tuple[int, int, int]]:
     return lambda n: (triton.next_power_of_2(n), r, warps)
 
 
-def _backward_config(r: int, warps: int, per_sm: int) -> Callable[..., tuple[int, ...]]:
-    def cfg(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, ...]:
+def _backward_config(
+    r: int, warps: int, per_sm: int, weight_from_cache: bool | None = None
+) -> Callable[..., NormBackwardConfig]:
+    def cfg(n_rows: int, n_cols: int, device: torch.device, op: str) -> NormBackwardConfig:
         n_programs = min(triton.cdiv(n_rows, r), num_sms(device) * per_sm)
         rows_per_program = triton.cdiv(n_rows, n_programs)
         n_programs = triton.cdiv(n_rows, rows_per_program)
-        return triton.next_power_of_2(n_cols), r, warps, n_programs, rows_per_program
+        default = norm_backward_config(n_rows, n_cols, device, op).weight_from_cache
+        return NormBackwardConfig(
+            triton.next_power_of_2(n_cols),
+            r,
+            warps,
+            n_programs,
+            rows_per_program,
+            default if weight_from_cache is None else weight_from_cache,
+        )
 
     return cfg
 
@@ -401,6 +411,46 @@ def _tune_rms_norm(rows: int, hidden: int, report: Callable) -> None:
                     )
                 report(f"{name} bwd ROWS={r} warps={warps} programs/SM={per_sm}", ms,
                        both_b - fwd_b)  # fmt: skip
+
+
+def _tune_norm_rows(rows: int, hidden: int, report: Callable) -> None:
+    """RMSNorm and LayerNorm at rows of 4K elements and wider, by warps, GPU time alone (CUDA
+    graph): the forward (one row per program), and the backward at its default rows and
+    programs per SM, for RMSNorm also with the weight reloaded per row
+    (NormBackwardConfig.weight_from_cache). Source of memplan.kernels._utils.WIDE_ROW_BACKWARD
+    and of the forward's warps at 8192-element rows."""
+    x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
+    w = torch.ones(hidden, device="cuda", dtype=DTYPE)
+    b = torch.zeros(hidden, device="cuda", dtype=DTYPE)
+    dy = torch.randn_like(x)
+    fwd_b, both_b = traffic("rms_norm", (rows, hidden))
+    _, rstd = mp_rms_norm.rms_norm_forward(x, w, 1e-6, 0.0, False)
+    _, mean, ln_rstd = mp_layer_norm.layer_norm_forward(x, w, b, 1e-5)
+    ops = {
+        "rms_norm": (
+            mp_rms_norm,
+            lambda: mp_rms_norm.rms_norm_forward(x, w, 1e-6, 0.0, False),
+            lambda: mp_rms_norm.rms_norm_backward(dy, x, w, rstd, 0.0, False, True),
+        ),
+        "layer_norm": (
+            mp_layer_norm,
+            lambda: mp_layer_norm.layer_norm_forward(x, w, b, 1e-5),
+            lambda: mp_layer_norm.layer_norm_backward(dy, x, w, mean, ln_rstd, True, True),
+        ),
+    }
+    default = norm_backward_config(rows, hidden, torch.device("cuda"), "rms_norm")
+    per_sm = -(-default.n_programs // num_sms(torch.device("cuda")))
+    for op, (module, forward, backward) in ops.items():
+        for warps in (4, 8, 16, 32):
+            with patched(module, norm_forward_config=_rows_config(1, warps)):
+                ms = graph_ms(forward)
+            report(f"{op} {rows}x{hidden} fwd warps={warps}", ms, fwd_b)
+            for from_cache in (False, True) if op == "rms_norm" else (False,):
+                config = _backward_config(default.rows, warps, per_sm, from_cache)
+                with patched(module, norm_backward_config=config):
+                    ms = graph_ms(backward)
+                label = f"{op} {rows}x{hidden} bwd warps={warps} weight_from_cache={from_cache}"
+                report(label, ms, both_b - fwd_b)
 
 
 def _tune_swiglu(rows: int, cols: int, report: Callable) -> None:
@@ -506,6 +556,9 @@ def tune(ops: list[str], copy_gbs: float) -> list[str]:
         _host_overhead(report)
         for size in [(65536, 4096), (16384, 1024), (16384, 16384)]:
             _tune_rms_norm(*size, report)
+    if "rms_norm" in ops or "layer_norm" in ops:
+        for size in [(16384, 16384), (4099, 16384), (65536, 8192), (65536, 4096), (16384, 4096)]:
+            _tune_norm_rows(*size, report)
     if "swiglu" in ops:
         for size in [(4096, 1024), (16384, 1024), (4096, 14336)]:
             _tune_swiglu(*size, report)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
@@ -122,23 +123,57 @@ def use_custom_op(t: torch.Tensor) -> bool:
 def norm_forward_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps) for the RMSNorm/LayerNorm forward, one tile of ROWS rows per
     program. Measured on H200 (--tune of benchmarks/bench_kernels.py): ~4K elements per program
-    (narrow rows grouped), warps from num_warps_for: 98% of copy bandwidth at 4K and 16K
-    hidden, 76% at 1K."""
+    (narrow rows grouped), warps from num_warps_for but 8 for 8192-element rows: 98% of copy
+    bandwidth at 4K and 16K hidden, 76% at 1K."""
     block_n = next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise UsageError(f"fused norms support rows of at most {MAX_FUSED_SIZE}, got {n_cols}.")
     rows = max(1, min(16, 4096 // block_n))
-    return block_n, rows, num_warps_for(block_n * rows)
+    tile = block_n * rows
+    # 8192-element rows: 8 warps, not 16. H200, GPU time at 65536 x 8192: RMSNorm 515 against
+    # 527 us, LayerNorm 508 against 568 us (benchmarks/bench_kernels.py --tune --ops layer_norm).
+    return block_n, rows, 8 if tile == 8192 else num_warps_for(tile)
 
 
-def norm_backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, ...]:
-    """(BLOCK_N, ROWS, num_warps, n_programs, rows_per_program) for the norm backward kernels,
+class NormBackwardConfig(NamedTuple):
+    """Launch parameters of the RMSNorm/LayerNorm backward kernels (norm_backward_config)."""
+
+    block_n: int
+    rows: int
+    num_warps: int
+    n_programs: int
+    rows_per_program: int
+    # The RMSNorm kernel reloads the weight each row (an L1/L2 hit) and reads dy and x with
+    # evict_first, instead of holding the weight in registers beside dy, x and the dW partial.
+    weight_from_cache: bool = False
+
+
+# Rows of 4096 elements and wider (one row per loop step): (num_warps, weight_from_cache) by op
+# and row block where they beat num_warps_for(block) with the weight in registers. GPU time on
+# H200 (benchmarks/bench_kernels.py --tune --ops layer_norm), against that default:
+#   rms_norm 16384 x 16384: 484 against 519 us; 4099 x 16384: 131 against 141 us
+#   layer_norm 16384 x 16384: 699 against 920 us; 4099 x 16384: 188 against 239 us
+#   layer_norm 65536 x 8192: 1051 against 1206 us
+#   layer_norm 65536 x 4096: 496 against 562 us; 16384 x 4096: 135 against 152 us
+# Elsewhere nothing beat the default by more than 1% (RMSNorm at blocks 4096 and 8192).
+WIDE_ROW_BACKWARD: dict[tuple[str, int], tuple[int, bool]] = {
+    ("rms_norm", 16384): (8, True),
+    ("layer_norm", 4096): (4, False),
+    ("layer_norm", 8192): (8, False),
+    ("layer_norm", 16384): (8, False),
+}
+
+
+def norm_backward_config(
+    n_rows: int, n_cols: int, device: torch.device, op: str
+) -> NormBackwardConfig:
+    """Launch parameters for the norm backward kernels of `op` ("rms_norm" or "layer_norm"),
     where each program walks a contiguous range of rows and keeps a (hidden,) fp32 partial of
     dW: tiles of ~4K elements, 2 programs per SM up to 4K-element tiles (pairs share a partial
-    row: memplan.kernels._partials), 1 above. Measured on H200 (--tune of
-    benchmarks/bench_kernels.py): 80% of copy at 65536 x 4096 and 72% at 16384 x 16384 (the
-    best of 4-32 warps, 1-8 rows and 1-8 programs per SM); at hidden 1K, 4 rows x 8 warps x 2
-    per SM take 51 us for 16384 rows against 45 us with 8 per SM, whose partials are 4x larger."""
+    row: memplan.kernels._partials), 1 above; wider rows per WIDE_ROW_BACKWARD. Measured on H200
+    (--tune of benchmarks/bench_kernels.py): 80% of copy at 65536 x 4096 (the best of 4-32
+    warps, 1-8 rows and 1-8 programs per SM); at hidden 1K, 4 rows x 8 warps x 2 per SM take
+    51 us for 16384 rows against 45 us with 8 per SM, whose partials are 4x larger."""
     block_n = next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise UsageError(f"fused norms support rows of at most {MAX_FUSED_SIZE}, got {n_cols}.")
@@ -148,7 +183,23 @@ def norm_backward_config(n_rows: int, n_cols: int, device: torch.device) -> tupl
     n_programs = min(cdiv(n_rows, rows), num_sms(device) * per_sm)
     rows_per_program = cdiv(n_rows, n_programs)
     n_programs = cdiv(n_rows, rows_per_program)
-    return block_n, rows, num_warps_for(tile), n_programs, rows_per_program
+    num_warps, weight_from_cache = WIDE_ROW_BACKWARD.get(
+        (op, block_n), (num_warps_for(tile), False)
+    )
+    return NormBackwardConfig(
+        block_n, rows, num_warps, n_programs, rows_per_program, weight_from_cache
+    )
+
+
+@triton.jit
+def load_fp32(ptr, mask, EVICT_FIRST: tl.constexpr):
+    """A tile in fp32 (0 where masked); EVICT_FIRST for data read once, so that it leaves the
+    cache before what is reused."""
+    if EVICT_FIRST:
+        value = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        value = tl.load(ptr, mask=mask, other=0.0)
+    return value.to(tl.float32)
 
 
 def flatten_rows(x: torch.Tensor) -> torch.Tensor:

@@ -199,9 +199,8 @@ def layer_norm_backward(
     n_partials = int(compute_dw) + int(compute_db)
     if n_rows == 0:
         return dx, weight.new_zeros((n_partials, n_cols))
-    block_n, rows, num_warps, n_programs, rows_per_program = norm_backward_config(
-        n_rows, n_cols, x.device
-    )
+    config = norm_backward_config(n_rows, n_cols, x.device, "layer_norm")
+    n_programs = config.n_programs
 
     # dW and dB partials in one buffer, so that one launch sums both
     partials = new_partials(n_partials, n_programs, n_cols, x.device)
@@ -222,13 +221,13 @@ def layer_norm_backward(
             n_cols,
             n_rows,
             n_cols,
-            rows_per_program,
+            config.rows_per_program,
             COMPUTE_DW=compute_dw,
             COMPUTE_DB=compute_db,
             PAIRED=partial_layout(n_programs, x.device)[1],
-            BLOCK_N=block_n,
-            ROWS=rows,
-            num_warps=num_warps,
+            BLOCK_N=config.block_n,
+            ROWS=config.rows,
+            num_warps=config.num_warps,
         )
     return dx, sum_partials(partials, weight.dtype)
 

@@ -24,6 +24,7 @@ from memplan.kernels._partials import new_partials, partial_layout, store_partia
 from memplan.kernels._utils import (
     as_rows,
     cdiv,
+    load_fp32,
     norm_backward_config,
     norm_forward_config,
     on_device,
@@ -112,6 +113,7 @@ def _rms_norm_backward_kernel(
     PAIRED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
+    WEIGHT_FROM_CACHE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row_start = pid * rows_per_program
@@ -119,17 +121,20 @@ def _rms_norm_backward_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
 
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if not WEIGHT_FROM_CACHE:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
 
     for start in range(row_start, row_end, ROWS):
         rows = start + tl.arange(0, ROWS)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        dy = load_fp32(
+            dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask, WEIGHT_FROM_CACHE
+        )
+        x = load_fp32(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask, WEIGHT_FROM_CACHE)
+        if WEIGHT_FROM_CACHE:
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
 
         normed = x * rstd[:, None]
@@ -208,9 +213,8 @@ def rms_norm_backward(
     dx2 = dx.view(-1, n_cols)
     if n_rows == 0:
         return dx, torch.zeros_like(weight) if compute_dw else None
-    block_n, rows, num_warps, n_programs, rows_per_program = norm_backward_config(
-        n_rows, n_cols, x.device
-    )
+    config = norm_backward_config(n_rows, n_cols, x.device, "rms_norm")
+    n_programs = config.n_programs
     dw_partial = (
         new_partials(1, n_programs, n_cols, x.device)
         if compute_dw
@@ -229,14 +233,15 @@ def rms_norm_backward(
             n_cols,
             n_rows,
             n_cols,
-            rows_per_program,
+            config.rows_per_program,
             offset,
             GEMMA=gemma,
             COMPUTE_DW=compute_dw,
             PAIRED=partial_layout(n_programs, x.device)[1],
-            BLOCK_N=block_n,
-            ROWS=rows,
-            num_warps=num_warps,
+            BLOCK_N=config.block_n,
+            ROWS=config.rows,
+            WEIGHT_FROM_CACHE=config.weight_from_cache,
+            num_warps=config.num_warps,
         )
     dw = sum_partials(dw_partial, weight.dtype)[0] if compute_dw else None
     return dx, dw

@@ -123,3 +123,26 @@ def test_paired_partials(device, n_rows):
     w = torch.randn(1024, device=device, requires_grad=True)
     b = torch.randn(1024, device=device, requires_grad=True)
     run_and_compare(x, w, b, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_per_step_backward(device, monkeypatch, dtype):
+    """The backward with one row per loop step (its configuration from hidden 4096 up), forced
+    here on a small odd hidden size with more programs than the interpreter's 4 "SMs" (paired
+    partials)."""
+    from memplan.kernels import layer_norm as module
+    from memplan.kernels._utils import norm_backward_config
+
+    def one_row(n_rows, n_cols, dev, op):
+        config = norm_backward_config(n_rows, n_cols, dev, op)
+        per_program = -(-n_rows // min(n_rows, 9))
+        return config._replace(
+            rows=1, n_programs=-(-n_rows // per_program), rows_per_program=per_program
+        )
+
+    monkeypatch.setattr(module, "norm_backward_config", one_row)
+    torch.manual_seed(3)
+    x = (torch.randn(3, 41, 127, device=device) * 2 + 1).to(dtype).requires_grad_()
+    w = (torch.randn(127, device=device) * 0.5 + 1).to(dtype).requires_grad_()
+    b = torch.randn(127, device=device).to(dtype).requires_grad_()
+    run_and_compare(x, w, b, dtype)

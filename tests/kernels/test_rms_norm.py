@@ -182,7 +182,7 @@ def test_paired_partials_are_exact_and_deterministic(device, n_rows):
     from memplan.kernels._partials import partial_layout
     from memplan.kernels._utils import norm_backward_config, num_sms
 
-    n_programs = norm_backward_config(n_rows, 1024, torch.device(device))[3]
+    n_programs = norm_backward_config(n_rows, 1024, torch.device(device), "rms_norm").n_programs
     rows, paired = partial_layout(n_programs, torch.device(device))
     assert rows <= num_sms(device) and paired == (n_programs > num_sms(device))
     torch.manual_seed(n_rows)
@@ -197,17 +197,24 @@ def test_paired_partials_are_exact_and_deterministic(device, n_rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
-def test_one_row_per_step_backward(device, monkeypatch, dtype, casting, offset):
-    """The backward with one row per loop step (its configuration from hidden 4096 up), forced
-    here on a small odd hidden size, with paired partials and dX written over dy."""
+@pytest.mark.parametrize("weight_from_cache", [False, True])
+def test_one_row_per_step_backward(device, monkeypatch, dtype, casting, offset, weight_from_cache):
+    """The backward with one row per loop step (its configuration from hidden 4096 up; from
+    16384 up also reloading the weight per row), forced here on a small odd hidden size, with
+    paired partials and dX written over dy."""
     from memplan.kernels import rms_norm as module
     from memplan.kernels._utils import norm_backward_config
 
-    def one_row(n_rows, n_cols, dev):
-        block_n, _, num_warps, _, _ = norm_backward_config(n_rows, n_cols, dev)
+    def one_row(n_rows, n_cols, dev, op):
+        config = norm_backward_config(n_rows, n_cols, dev, op)
         n_programs = min(n_rows, 2 * 4 + 1)  # more programs than the interpreter's 4 "SMs"
         per_program = -(-n_rows // n_programs)
-        return block_n, 1, num_warps, -(-n_rows // per_program), per_program
+        return config._replace(
+            rows=1,
+            n_programs=-(-n_rows // per_program),
+            rows_per_program=per_program,
+            weight_from_cache=weight_from_cache,
+        )
 
     monkeypatch.setattr(module, "norm_backward_config", one_row)
     torch.manual_seed(2)
