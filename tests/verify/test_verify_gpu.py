@@ -4,6 +4,11 @@ peak), a few seconds each."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from memplan.schema import GIB
@@ -66,7 +71,7 @@ def test_profile_finds_the_loss_and_norm_ops():
     assert "aten::" in names
 
 
-def test_track_measures_the_users_own_loop():
+def _track_own_loop() -> dict:
     """memplan.track around a plain loop (model built and patched here, not by verify): 3 AdamW
     steps of a 2-layer qwen3-0.6b with the advised kernels, against the advice's prediction."""
     import torch
@@ -92,5 +97,23 @@ def test_track_measures_the_users_own_loop():
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    assert tracked.measured_peak_bytes is not None
-    assert abs(tracked.error_pct) <= 4.0, tracked.summary()
+    return {
+        "measured": tracked.measured_peak_bytes,
+        "error_pct": tracked.error_pct,
+        "summary": tracked.summary(),
+    }
+
+
+def test_track_measures_the_users_own_loop():
+    """_track_own_loop in a fresh process, as the protocol measures: tensors that earlier tests
+    left alive in this one (compiled graphs' caches, ...) would count in its peak."""
+    code = (
+        "import json, runpy; "
+        f"loop = runpy.run_path({str(Path(__file__))!r})['_track_own_loop']; "
+        "print(json.dumps(loop()))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["measured"] is not None
+    assert abs(result["error_pct"]) <= 4.0, result["summary"]
