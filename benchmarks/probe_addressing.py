@@ -76,7 +76,7 @@ def bwd_scalar_base(
         store_partial(dw_partial_ptr, pid, n_cols, cols, tl.sum(dw_acc, axis=0), col_mask, PAIRED)
 
 
-def launch(kernel, dy, x, w, rstd, dx, **weight_from_cache):
+def launch(kernel, dy, x, w, rstd, dx, **constexprs):
     n_rows, n_cols = x.shape
     block_n, rows, warps, n_programs, rpp, _ = norm_backward_config(
         n_rows, n_cols, x.device, "rms_norm"
@@ -102,7 +102,7 @@ def launch(kernel, dy, x, w, rstd, dx, **weight_from_cache):
         BLOCK_N=block_n,
         ROWS=rows,
         num_warps=warps,
-        **weight_from_cache,
+        **constexprs,
     )
     return sum_partials(part, w.dtype)[0]
 

@@ -29,6 +29,7 @@ from memplan.kernels._utils import (
     as_rows,
     cdiv,
     elementwise_launch_config,
+    load_fp32,
     on_device,
     use_custom_op,
 )
@@ -49,7 +50,7 @@ def tile_of(pid, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def load_tile(ptr, row_stride, rows, cols, mask):
     """A (ROWS x BLOCK) tile of a row-strided tensor, in fp32."""
-    return tl.load(ptr + rows * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    return load_fp32(ptr + rows * row_stride + cols, mask, False)
 
 
 @triton.jit

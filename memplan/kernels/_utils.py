@@ -145,7 +145,7 @@ class NormBackwardConfig(NamedTuple):
     rows_per_program: int
     # The RMSNorm kernel reloads the weight each row (an L1/L2 hit) and reads dy and x with
     # evict_first, instead of holding the weight in registers beside dy, x and the dW partial.
-    weight_from_cache: bool = False
+    weight_from_cache: bool
 
 
 # Rows of 4096 elements and wider (one row per loop step): (num_warps, weight_from_cache) by op
