@@ -36,11 +36,13 @@ from memplan.kernels._utils import (
 
 
 @triton.jit
-def tile_of(pid, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def tile_of(pid, n_cols, n_col_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """(rows[:, None], cols[None, :]) of tile `pid` on a 1-d grid: the column blocks of a row
     group are consecutive programs, so neighbouring programs touch neighbouring memory (a 2-d
-    grid with rows on axis 0 walks down a column block instead). Row indices are int64."""
-    n_col_blocks = tl.cdiv(n_cols, BLOCK)
+    grid with rows on axis 0 walks down a column block instead). Row indices are int64.
+    n_col_blocks comes from the host: Triton specializes an integer argument equal to 1, so for
+    rows of one block the division below folds away. Computed in the kernel, it cost 4096 x 1024
+    SwiGLU 13.5 against 11.3 us forward+backward on an H200 (benchmarks/probe_glu_small.py)."""
     pid = pid.to(tl.int64)
     rows = (pid // n_col_blocks) * ROWS + tl.arange(0, ROWS)
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -59,8 +61,8 @@ def store_tile(ptr, row_stride, rows, cols, value, mask):
     tl.store(ptr + rows * row_stride + cols, value.to(ptr.dtype.element_ty), mask=mask)
 
 
-def _grid(n_rows: int, n_cols: int, rows: int, block: int) -> tuple[int]:
-    return (cdiv(n_rows, rows) * cdiv(n_cols, block),)
+def _grid(n_rows: int, rows: int, n_col_blocks: int) -> tuple[int]:
+    return (cdiv(n_rows, rows) * n_col_blocks,)
 
 
 class GluOp:
@@ -81,8 +83,9 @@ class GluOp:
         if n_rows == 0:
             return out
         rows, block, num_warps = elementwise_launch_config(n_cols)
+        n_col_blocks = cdiv(n_cols, block)
         with on_device(gate):
-            self.forward_kernel[_grid(n_rows, n_cols, rows, block)](
+            self.forward_kernel[_grid(n_rows, rows, n_col_blocks)](
                 g2,
                 u2,
                 out,
@@ -91,6 +94,7 @@ class GluOp:
                 n_cols,
                 n_rows,
                 n_cols,
+                n_col_blocks,
                 ROWS=rows,
                 BLOCK=block,
                 num_warps=num_warps,
@@ -122,8 +126,9 @@ class GluOp:
         if n_rows == 0:
             return dgate, dup
         rows, block, num_warps = elementwise_launch_config(n_cols)
+        n_col_blocks = cdiv(n_cols, block)
         with on_device(gate):
-            self.backward_kernel[_grid(n_rows, n_cols, rows, block)](
+            self.backward_kernel[_grid(n_rows, rows, n_col_blocks)](
                 do2,
                 g2,
                 u2,
@@ -138,6 +143,7 @@ class GluOp:
                 p2.stride(0),
                 n_rows,
                 n_cols,
+                n_col_blocks,
                 ROWS=rows,
                 BLOCK=block,
                 WRITE_PRODUCT=product is not None,

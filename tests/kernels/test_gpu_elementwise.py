@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memplan.kernels.geglu import geglu, reference_geglu
+from memplan.kernels.geglu import geglu, geglu_backward, reference_geglu
 from memplan.kernels.layer_norm import layer_norm, reference_layer_norm
 from memplan.kernels.rms_norm import reference_rms_norm, rms_norm
 from memplan.kernels.rope import reference_rope, rope
-from memplan.kernels.swiglu import reference_swiglu, swiglu
+from memplan.kernels.swiglu import reference_swiglu, swiglu, swiglu_backward
 
 pytestmark = pytest.mark.gpu
 
@@ -178,6 +178,24 @@ def test_swiglu_past_int32_offsets():
     dgate, dup = torch.autograd.grad(out, (gate, up), dout)
     dg_ref, du_ref = torch.autograd.grad(ref, (gt, ut), dout[tail].float())
     assert rel(dgate[tail], dg_ref) <= 1e-2 and rel(dup[tail], du_ref) <= 1e-2
+
+
+@pytest.mark.parametrize(
+    "op,backward,reference",
+    [(swiglu, swiglu_backward, reference_swiglu), (geglu, geglu_backward, reference_geglu)],
+)
+def test_glu_tile_of_narrow_rows_past_int32_offsets(op, backward, reference):
+    """Rows of 100 elements, 16 to a tile, 2**28 elements apart (strided views): one tile spans
+    more than 2**31 elements."""
+    rows, cols = 16, 100
+    base = torch.empty(rows, 2**28, device="cuda", dtype=torch.bfloat16)
+    base[:, : 3 * cols].normal_()
+    gate, up, dout = (base[:, i * cols : (i + 1) * cols] for i in range(3))
+    ref_in = [t.float().requires_grad_() for t in (gate, up)]
+    ref = reference(*ref_in)
+    ref_grads = torch.autograd.grad(ref, ref_in, dout.float())
+    assert rel(op(gate, up), ref) <= 1e-2
+    check(backward(dout, gate, up), ref_grads, torch.bfloat16)
 
 
 def test_rope_past_int32_offsets():
