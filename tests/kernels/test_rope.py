@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from memplan.errors import UsageError
 from memplan.estimators.kernel_contracts import rope_saved_bytes
+from memplan.kernels import rope as rope_module
 from memplan.kernels.rope import reference_rope, rope
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -70,6 +71,18 @@ def test_matches_hf(device, dtype, cos_batch, unsqueeze_dim):
                                         unsqueeze_dim)  # fmt: skip
     cos, sin = cos_sin(cos_batch, seq, head_dim, device, dtype, scale=0.37)
     run_and_compare(q_proj, k_proj, views, cos, sin, dtype, unsqueeze_dim)
+
+
+@pytest.mark.parametrize("cos_batch", [1, 5])
+def test_batches_past_one_launch(device, monkeypatch, cos_batch):
+    """Batch rows are grid axis 1 (at most 65535 programs): a larger batch takes several
+    launches, each from its first row; here 2 rows per launch."""
+    monkeypatch.setattr(rope_module, "MAX_GRID_Y", 2)
+    torch.manual_seed(2)
+    batch, seq, n_q, n_kv, head_dim = 5, 3, 4, 2, 8
+    q_proj, k_proj, views = projections(batch, seq, n_q, n_kv, head_dim, device, torch.float32)
+    cos, sin = cos_sin(cos_batch, seq, head_dim, device, torch.float32, scale=0.37)
+    run_and_compare(q_proj, k_proj, views, cos, sin, torch.float32)
 
 
 def test_contiguous_inputs_and_unequal_cos_halves(device):
