@@ -4,12 +4,13 @@ i.e. out1 = x1 * cos1 - x2 * sin1, out2 = x2 * cos2 + x1 * sin2 (halves of the h
 cos/sin are used as the model's rotary embedding returns them, both halves read, so scaled
 variants (linear, dynamic NTK, YaRN, Llama 3) need nothing special.
 
-q and k are rotated in one launch, one program per token, reading them through their strides
-(they are usually transposed views of (B, S, heads, head_dim) projections: no copy). Out of
-place by default, the outputs keep the inputs' memory layout, as the eager ops do; with
-`in_place` q and k are overwritten (and backward overwrites dq and dk), as Liger-Kernel does,
-allocating nothing (each program reads its elements before writing them). Nothing but cos/sin
-is saved. Backward applies the transposed rotation R^T [a1, a2] = [a2, -a1]:
+q and k are rotated together, one program per token (one launch per 65535 batch rows), reading
+them through their strides (they are usually transposed views of (B, S, heads, head_dim)
+projections: no copy). Out of place by default, the outputs keep the inputs' memory layout, as
+the eager ops do; with `in_place` q and k are overwritten (and backward overwrites dq and dk),
+as Liger-Kernel does, allocating nothing (each program reads its elements before writing them).
+Nothing but cos/sin is saved. Backward applies the transposed rotation
+R^T [a1, a2] = [a2, -a1]:
     dx1 = dy1 * cos1 + dy2 * sin2,   dx2 = dy2 * cos2 - dy1 * sin1.
 No gradient flows to cos/sin (HF computes them under no_grad)."""
 
