@@ -5,7 +5,7 @@ it), for:
 
 - memplan's committed kernels and launch configuration (ROWS x BLOCK tiles);
 - Liger-Kernel 0.8.5's kernels, where installed;
-- with --sweep (SwiGLU): memplan's kernels under other (tile, warps) configurations, and a
+- with --sweep: memplan's kernels under other (tile, warps) configurations, and for SwiGLU a
   one-row-per-program variant (Liger-Kernel's layout: a scalar int64 row base, int32 column
   offsets, column blocks on grid axis 1) by block and warps, its outputs checked
   bit-identical to memplan's.
@@ -86,7 +86,8 @@ def liger_times(op: str, do, g0, u0) -> tuple[float, float] | None:
 
 
 def probe(op: str, rows: int, cols: int, sweep: bool) -> list[tuple[str, float, float]]:
-    """memplan as committed, Liger, and with `sweep` (SwiGLU only) the variants above."""
+    """memplan as committed, Liger, and with `sweep` the tile configurations (and for SwiGLU
+    the one-row-per-program variants)."""
     g0 = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     u0, do = torch.randn_like(g0), torch.randn_like(g0)
     committed = _glu.elementwise_launch_config(cols)
@@ -96,13 +97,14 @@ def probe(op: str, rows: int, cols: int, sweep: bool) -> list[tuple[str, float, 
     liger = liger_times(op, do, g0, u0)
     if liger is not None:
         results.append(("Liger 0.8.5", *liger))
+    if sweep:
+        results += sweep_tiles(op, cols, do, g0, u0)
     if sweep and op == "swiglu":
-        results += sweep_variants(rows, cols, do, g0, u0)
+        results += sweep_row_kernels(rows, cols, do, g0, u0)
     return results
 
 
-def sweep_variants(rows: int, cols: int, do, g0, u0) -> list[tuple[str, float, float]]:
-    ref = (S.swiglu_forward(g0, u0), *S.swiglu_backward(do, g0, u0))
+def sweep_tiles(op: str, cols: int, do, g0, u0) -> list[tuple[str, float, float]]:
     results = []
     for tile in (1024, 2048, 4096):
         for warps in (2, 4, 8):
@@ -110,11 +112,16 @@ def sweep_variants(rows: int, cols: int, do, g0, u0) -> list[tuple[str, float, f
             config = (tile // block, block, warps)
             _glu.elementwise_launch_config = lambda n, c=config: c
             try:
-                times = memplan_times("swiglu", do, g0, u0)
+                times = memplan_times(op, do, g0, u0)
                 results.append((f"memplan tile={tile} warps={warps}", *times))
             finally:
                 _glu.elementwise_launch_config = committed_config
+    return results
 
+
+def sweep_row_kernels(rows: int, cols: int, do, g0, u0) -> list[tuple[str, float, float]]:
+    ref = (S.swiglu_forward(g0, u0), *S.swiglu_backward(do, g0, u0))
+    results = []
     for block in sorted({min(b, next_power_of_2(cols)) for b in (1024, 2048, 4096)}):
         grid = (rows, triton.cdiv(cols, block))
         for warps in (2, 4, 8):
