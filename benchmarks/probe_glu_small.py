@@ -39,11 +39,15 @@ SIZES = [(4096, 1024), (16384, 1024), (4096, 4096), (4096, 14336), (16384, 8192)
 
 
 @triton.jit
-def row_forward(g_ptr, u_ptr, o_ptr, stride, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def row_tile(stride, n_cols, BLOCK: tl.constexpr):
+    """(row offset, columns, mask) of this program: one row, one block of columns."""
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    base = row * stride
+    return tl.program_id(0).to(tl.int64) * stride, cols, cols < n_cols
+
+
+@triton.jit
+def row_forward(g_ptr, u_ptr, o_ptr, stride, n_cols, BLOCK: tl.constexpr):
+    base, cols, mask = row_tile(stride, n_cols, BLOCK)
     g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_ptr + base + cols, (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty), mask=mask)
@@ -51,10 +55,7 @@ def row_forward(g_ptr, u_ptr, o_ptr, stride, n_cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def row_backward(do_ptr, g_ptr, u_ptr, stride, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    base = row * stride
+    base, cols, mask = row_tile(stride, n_cols, BLOCK)
     do = tl.load(do_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)

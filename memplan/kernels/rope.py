@@ -205,31 +205,29 @@ def _launch(
         return q_out, k_out
     block_d = next_power_of_2(head_dim // 2)
     block_qh, block_kh = next_power_of_2(n_q_heads), next_power_of_2(n_k_heads)
+    strides = (
+        *_bshd_strides(q, unsqueeze_dim),
+        *_bshd_strides(k, unsqueeze_dim),
+        *_bshd_strides(q_out, unsqueeze_dim),
+        *_bshd_strides(k_out, unsqueeze_dim),
+        *cos.stride(),
+        *sin.stride(),
+    )
+    constants = {
+        "HALF": head_dim // 2,
+        "BLOCK_QH": block_qh,
+        "BLOCK_KH": block_kh,
+        "BLOCK_D": block_d,
+        "BACKWARD": backward,
+        "num_warps": _num_warps(block_qh, block_kh, block_d),
+    }
     with on_device(q):
         for first_batch in range(0, batch, MAX_GRID_Y):
-            _rope_kernel[(seq_len, min(MAX_GRID_Y, batch - first_batch))](
-                q,
-                k,
-                q_out,
-                k_out,
-                cos,
-                sin,
-                first_batch,
-                n_q_heads,
-                n_k_heads,
-                *_bshd_strides(q, unsqueeze_dim),
-                *_bshd_strides(k, unsqueeze_dim),
-                *_bshd_strides(q_out, unsqueeze_dim),
-                *_bshd_strides(k_out, unsqueeze_dim),
-                *cos.stride(),
-                *sin.stride(),
-                HALF=head_dim // 2,
-                BLOCK_QH=block_qh,
-                BLOCK_KH=block_kh,
-                BLOCK_D=block_d,
-                BACKWARD=backward,
-                num_warps=_num_warps(block_qh, block_kh, block_d),
-            )
+            grid = (seq_len, min(MAX_GRID_Y, batch - first_batch))
+            _rope_kernel[grid](
+                q, k, q_out, k_out, cos, sin, first_batch, n_q_heads, n_k_heads, *strides,
+                **constants,
+            )  # fmt: skip
     return q_out, k_out
 
 
