@@ -274,21 +274,25 @@ def _scale_rows_kernel(
 # --- launchers ------------------------------------------------------------------------------
 
 # Measured on an H200 (docs/bench_loss.md, launch-config sweep): rows up to SINGLE_BLOCK_MAX
-# elements are held in registers (one read); longer rows are streamed in blocks of LOOP_BLOCK,
-# twice (online max/sum, then the gradient). At vocab 32000-256000, 8192-element blocks with 8
-# warps are within 1% of the fastest configuration with the gradient and the fastest without it
-# (91-94% of copy, against 71-74% for 16K blocks with 32 warps). One 32K block in registers (1
-# program per SM) was slower, and so were rows split over several programs (docs/bench_loss.md).
+# elements are held in registers (one read); longer rows are streamed in blocks, twice with the
+# gradient (online max/sum, then the gradient), once without it. At vocab 32000-256000 the
+# fastest streaming configuration is, with the gradient, 8192-element blocks with 8 warps (63-74%
+# of copy) and, without it, 4096-element blocks with 4 warps (94-95% of copy, against 89-93% at
+# 8192 with 8 warps). One 32K block in registers (1 program per SM) was slower, and so were rows
+# split over several programs or limited to a few per SM (docs/bench_loss.md).
 SINGLE_BLOCK_MAX = 8192
 LOOP_BLOCK = 8192
+LOSS_ONLY_LOOP_BLOCK = 4096
 
 
-def _row_launch_config(n_cols: int) -> tuple[int, bool, int]:
+def _row_launch_config(n_cols: int, *, with_grad: bool) -> tuple[int, bool, int]:
     """(BLOCK, SINGLE_BLOCK, num_warps) for the one-program-per-row kernels."""
     block = next_power_of_2(max(n_cols, 1))
     if block <= SINGLE_BLOCK_MAX:
         return block, True, 4 if block <= 1024 else 8
-    return LOOP_BLOCK, False, 8 if LOOP_BLOCK >= 2048 else 4
+    if with_grad:
+        return LOOP_BLOCK, False, 8
+    return LOSS_ONLY_LOOP_BLOCK, False, 4
 
 
 def launch_cross_entropy_forward(
@@ -314,7 +318,7 @@ def launch_cross_entropy_forward(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    cfg_block, single, cfg_warps = _row_launch_config(n_cols)
+    cfg_block, single, cfg_warps = _row_launch_config(n_cols, with_grad=grad is not None)
     if block is not None:
         single = block >= n_cols
     block = block or cfg_block

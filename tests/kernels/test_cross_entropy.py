@@ -80,10 +80,15 @@ def test_vocab_loop_path(monkeypatch, dtype, option):
     vocabulary that is not a multiple of the block."""
     monkeypatch.setattr(ce_module, "SINGLE_BLOCK_MAX", 128)
     monkeypatch.setattr(ce_module, "LOOP_BLOCK", 128)
-    assert ce_module._row_launch_config(1000)[1] is False
+    monkeypatch.setattr(ce_module, "LOSS_ONLY_LOOP_BLOCK", 64)
+    assert ce_module._row_launch_config(1000, with_grad=True)[:2] == (128, False)
+    assert ce_module._row_launch_config(1000, with_grad=False)[:2] == (64, False)
     logits, target = make_inputs(7, 1000, dtype)
     check_against_reference(logits, target, dtype, **OPTIONS[option])
     check_against_reference(logits, target, dtype, inplace_grad=True, **OPTIONS[option])
+    with torch.no_grad():
+        loss = cross_entropy(logits, target, **OPTIONS[option])
+    assert rel_err(loss, reference_cross_entropy(logits, target, **OPTIONS[option])) <= TOL[dtype]
 
 
 def test_float16():

@@ -83,6 +83,8 @@ def test_cross_entropy_real_size(dtype, options, inplace_grad):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(loss, ref) <= tol
     assert rel_err(leaf.grad, ref_leaf.grad) <= tol
+    with torch.no_grad():  # the loss-only launch configuration
+        assert rel_err(cross_entropy(logits, target, **options), ref) <= tol
 
 
 @pytest.mark.parametrize("vocab", [32000, 151936])  # the vocab loop, 4 and 19 blocks
@@ -106,6 +108,9 @@ def test_cross_entropy_more_than_2_31_logits(vocab):
         sq_ref += x.grad.square().sum().item()
     assert (sq_err / sq_ref) ** 0.5 <= 1e-2
     assert leaf.grad[-1].abs().sum() > 0
+    with torch.no_grad():  # the loss-only launch configuration, past 2**31 too
+        loss_only = cross_entropy(logits, target, reduction="none", softcap=20.0)
+    assert rel_err(loss_only, loss.detach()) <= 1e-5
 
 
 def run_flce(x, w, target, **kwargs):
