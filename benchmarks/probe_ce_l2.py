@@ -40,7 +40,8 @@ def _ce_fwd_grad_persistent(
     n_cols,
     ignore_index,
     BLOCK: tl.constexpr,
-    EVICT: tl.constexpr,
+    FIRST_READ: tl.constexpr,  # L2 eviction policy: "" (none) or "evict_last"
+    SECOND_READ: tl.constexpr,  # "" or "evict_first", for the gradient's read and store
 ):
     cols = tl.arange(0, BLOCK)
     scale = tl.load(scale_ptr)
@@ -57,12 +58,7 @@ def _ce_fwd_grad_persistent(
             d = 0.0
             for off in range(0, n_cols, BLOCK):
                 mask = off + cols < n_cols
-                if EVICT:
-                    x = tl.load(
-                        row_ptr + off + cols, mask, float("-inf"), eviction_policy="evict_last"
-                    )
-                else:
-                    x = tl.load(row_ptr + off + cols, mask, float("-inf"))
+                x = tl.load(row_ptr + off + cols, mask, float("-inf"), eviction_policy=FIRST_READ)
                 x = x.to(tl.float32)
                 m_new = tl.maximum(m, tl.max(x, 0))
                 d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
@@ -73,21 +69,11 @@ def _ce_fwd_grad_persistent(
             for i in range(0, n_blocks):
                 off = (n_blocks - 1 - i) * BLOCK
                 mask = off + cols < n_cols
-                if EVICT:
-                    x = tl.load(
-                        row_ptr + off + cols, mask, float("-inf"), eviction_policy="evict_first"
-                    )
-                else:
-                    x = tl.load(row_ptr + off + cols, mask, float("-inf"))
+                x = tl.load(row_ptr + off + cols, mask, float("-inf"), eviction_policy=SECOND_READ)
                 x = x.to(tl.float32)
-                g = scale * tl.exp(x - lse) - 0.0
+                g = scale * tl.exp(x - lse)
                 g = tl.where(off + cols == target, g - scale, g)
-                if EVICT:
-                    tl.store(
-                        row_ptr + off + cols, g.to(tl.bfloat16), mask, eviction_policy="evict_first"
-                    )
-                else:
-                    tl.store(row_ptr + off + cols, g.to(tl.bfloat16), mask)
+                tl.store(row_ptr + off + cols, g.to(tl.bfloat16), mask, eviction_policy=SECOND_READ)
 
 
 def variant(per_sm: int | None, block: int, warps: int, evict: bool):
@@ -104,7 +90,8 @@ def variant(per_sm: int | None, block: int, warps: int, evict: bool):
             n_cols,
             -100,
             BLOCK=block,
-            EVICT=evict,
+            FIRST_READ="evict_last" if evict else "",
+            SECOND_READ="evict_first" if evict else "",
             num_warps=warps,
         )
 
