@@ -70,8 +70,9 @@ def _tanh(x):
 
 
 @triton.jit
-def _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
-    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+def _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr, L2_POLICY: tl.constexpr):
+    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf"), eviction_policy=L2_POLICY)
+    x = x.to(tl.float32)
     if HAS_SOFTCAP:
         x = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
     return x
@@ -119,6 +120,7 @@ def _cross_entropy_fwd_kernel(
     ROW_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
+    FIRST_READ: tl.constexpr,  # L2 eviction policy of the first pass over a streamed row
 ):
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
@@ -138,7 +140,7 @@ def _cross_entropy_fwd_kernel(
     if SINGLE_BLOCK:
         # The whole row stays in registers: one read, one write.
         mask = cols < n_cols
-        x = _load_logits(logits_row, cols, mask, softcap, HAS_SOFTCAP)
+        x = _load_logits(logits_row, cols, mask, softcap, HAS_SOFTCAP, "")
         m = tl.max(x, 0)
         d = tl.sum(tl.exp(x - m), 0)
         if HAS_SMOOTHING:
@@ -149,7 +151,7 @@ def _cross_entropy_fwd_kernel(
         sum_x = 0.0
         for off in range(0, n_cols, BLOCK):
             mask = off + cols < n_cols
-            xb = _load_logits(logits_row, off + cols, mask, softcap, HAS_SOFTCAP)
+            xb = _load_logits(logits_row, off + cols, mask, softcap, HAS_SOFTCAP, FIRST_READ)
             m_new = tl.maximum(m, tl.max(xb, 0))
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(xb - m_new), 0)
             m = m_new
@@ -191,15 +193,17 @@ def _cross_entropy_fwd_kernel(
             tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
         else:
             # Last block first: the blocks read most recently are the likeliest still in L2.
+            # They are read for the last time here, and the gradient is not read again soon.
             n_blocks = tl.cdiv(n_cols, BLOCK)
             for i in range(0, n_blocks):
                 off = (n_blocks - 1 - i) * BLOCK
                 mask = off + cols < n_cols
-                xb = _load_logits(logits_row, off + cols, mask, softcap, HAS_SOFTCAP)
+                xb = _load_logits(logits_row, off + cols, mask, softcap, HAS_SOFTCAP, "evict_first")
                 g = _logit_grad(
                     xb, off + cols, target, lse, p_coef, uniform, target_coef, softcap, HAS_SOFTCAP
                 )
-                tl.store(grad_row + off + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+                g = g.to(grad_ptr.dtype.element_ty)
+                tl.store(grad_row + off + cols, g, mask=mask, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -246,7 +250,7 @@ def _cross_entropy_grad_from_lse_kernel(
     cols = tl.arange(0, BLOCK)
     for off in range(0, n_cols, BLOCK):
         mask = off + cols < n_cols
-        x = _load_logits(logits_row, off + cols, mask, softcap, HAS_SOFTCAP)
+        x = _load_logits(logits_row, off + cols, mask, softcap, HAS_SOFTCAP, "")
         g = _logit_grad(
             x, off + cols, local_target, lse, p_coef, uniform, target_coef, softcap, HAS_SOFTCAP
         )
@@ -273,16 +277,18 @@ def _scale_rows_kernel(
 
 # --- launchers ------------------------------------------------------------------------------
 
-# Measured on an H200 (docs/bench_loss.md, launch-config sweep): rows up to SINGLE_BLOCK_MAX
-# elements are held in registers (one read); longer rows are streamed in blocks, twice with the
-# gradient (online max/sum, then the gradient), once without it. At vocab 32000-256000 the
-# fastest streaming configuration is, with the gradient, 8192-element blocks with 8 warps (63-74%
-# of copy) and, without it, 4096-element blocks with 4 warps (94-95% of copy, against 89-93% at
-# 8192 with 8 warps). One 32K block in registers (1 program per SM) was slower, and so were rows
-# split over several programs or limited to a few per SM (docs/bench_loss.md).
+# Measured on an H200 (docs/bench_loss.md: launch-config sweep, probe_ce_l2.py): rows up to
+# SINGLE_BLOCK_MAX elements are held in registers (one read); longer rows are streamed in blocks
+# of LOOP_BLOCK, twice with the gradient (online max/sum, then the gradient), once without it.
+# With the gradient, 8 warps and L2 hints (evict_last on the first read, evict_first on the
+# second and on the store) took 0.94-0.98 x the time of the unhinted 8192-element blocks at
+# vocab 32000-256000 (the same hints on 8192-element blocks: 0.93-1.06 x). Without it, 4 warps:
+# 95-98% of copy, against 91-94% at 8192 with 8 warps. One 32K block in registers (1 program per
+# SM) was slower, and so were rows split over several programs or limited to a few per SM.
 SINGLE_BLOCK_MAX = 8192
-LOOP_BLOCK = 8192
-LOSS_ONLY_LOOP_BLOCK = 4096
+LOOP_BLOCK = 4096
+# The two-pass FLCE's gradient-from-lse kernel (one read per slice of a row).
+SLICE_BLOCK = 8192
 
 
 def _row_launch_config(n_cols: int, *, with_grad: bool) -> tuple[int, bool, int]:
@@ -290,9 +296,7 @@ def _row_launch_config(n_cols: int, *, with_grad: bool) -> tuple[int, bool, int]
     block = next_power_of_2(max(n_cols, 1))
     if block <= SINGLE_BLOCK_MAX:
         return block, True, 4 if block <= 1024 else 8
-    if with_grad:
-        return LOOP_BLOCK, False, 8
-    return LOSS_ONLY_LOOP_BLOCK, False, 4
+    return LOOP_BLOCK, False, 8 if with_grad else 4
 
 
 def launch_cross_entropy_forward(
@@ -346,6 +350,7 @@ def launch_cross_entropy_forward(
         ROW_SCALE=row_scale,
         BLOCK=block,
         SINGLE_BLOCK=single,
+        FIRST_READ="evict_last" if grad is not None and not single else "",
         num_warps=num_warps,
     )
 
@@ -368,7 +373,7 @@ def launch_cross_entropy_grad_from_lse(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block = min(next_power_of_2(max(n_cols, 1)), LOOP_BLOCK)
+    block = min(next_power_of_2(max(n_cols, 1)), SLICE_BLOCK)
     num_warps = 8 if block >= 2048 else 4
     _cross_entropy_grad_from_lse_kernel[(n_rows,)](
         logits,

@@ -80,9 +80,8 @@ def test_vocab_loop_path(monkeypatch, dtype, option):
     vocabulary that is not a multiple of the block."""
     monkeypatch.setattr(ce_module, "SINGLE_BLOCK_MAX", 128)
     monkeypatch.setattr(ce_module, "LOOP_BLOCK", 128)
-    monkeypatch.setattr(ce_module, "LOSS_ONLY_LOOP_BLOCK", 64)
     assert ce_module._row_launch_config(1000, with_grad=True)[:2] == (128, False)
-    assert ce_module._row_launch_config(1000, with_grad=False)[:2] == (64, False)
+    assert ce_module._row_launch_config(1000, with_grad=False)[:2] == (128, False)
     logits, target = make_inputs(7, 1000, dtype)
     check_against_reference(logits, target, dtype, **OPTIONS[option])
     check_against_reference(logits, target, dtype, inplace_grad=True, **OPTIONS[option])
