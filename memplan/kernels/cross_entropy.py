@@ -135,6 +135,9 @@ def _cross_entropy_fwd_kernel(
         if COMPUTE_GRAD:
             _zero_row(grad_row, n_cols, BLOCK)
         return
+    # Every thread reads the target logit, but only one writes its gradient, possibly over it
+    # (in place): read it first, and keep a barrier between the reads and the gradient's stores.
+    x_t = tl.load(logits_row + target).to(tl.float32)
 
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
@@ -159,7 +162,6 @@ def _cross_entropy_fwd_kernel(
                 sum_x += tl.sum(tl.where(mask, xb, 0.0), 0)
     lse = m + tl.log(d)
 
-    x_t = tl.load(logits_row + target).to(tl.float32)
     if HAS_SOFTCAP:
         x_t = softcap * _tanh(x_t / softcap)
     if HAS_SMOOTHING:
@@ -175,6 +177,7 @@ def _cross_entropy_fwd_kernel(
         tl.store(lse_ptr + row, lse)
 
     if COMPUTE_GRAD:
+        tl.debug_barrier()
         if ROW_SCALE:
             scale = tl.load(scale_ptr + row)
         else:

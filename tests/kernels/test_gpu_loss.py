@@ -11,7 +11,11 @@ from memplan.estimators.kernel_contracts import (
     flce_saved_bytes,
     flce_transient_bytes,
 )
-from memplan.kernels.cross_entropy import cross_entropy, reference_cross_entropy
+from memplan.kernels.cross_entropy import (
+    cross_entropy,
+    launch_cross_entropy_forward,
+    reference_cross_entropy,
+)
 from memplan.kernels.fused_linear_cross_entropy import (
     flce_schedule,
     fused_linear_cross_entropy,
@@ -111,6 +115,26 @@ def test_cross_entropy_more_than_2_31_logits(vocab):
     with torch.no_grad():  # the loss-only launch configuration, past 2**31 too
         loss_only = cross_entropy(logits, target, reduction="none", softcap=20.0)
     assert rel_err(loss_only, loss.detach()) <= 1e-5
+
+
+@pytest.mark.parametrize("vocab", [8000, 128256])  # the row in registers; 32 streamed blocks
+def test_cross_entropy_in_place_loss_reads_the_target_logit_first(vocab):
+    """Every thread reads the target's logit for the loss; one thread writes its gradient over
+    it. Without ordering, the loss used the gradient in 11 of 300 calls at vocab 128256."""
+    n_rows, repeats = 4096, 200
+    logits = torch.randn(n_rows, vocab, device="cuda") * 3
+    target = random_targets(n_rows, vocab, 300)
+    expected, loss = torch.empty(n_rows, device="cuda"), torch.empty(n_rows, device="cuda")
+    scale = torch.ones(1, device="cuda")
+    options = {"ignore_index": -100, "label_smoothing": 0.0, "softcap": 0.0, "z_loss_scale": 0.0}
+    launch_cross_entropy_forward(logits, None, target, expected, None, None, scale, **options)
+    buffer = torch.empty_like(logits)
+    wrong_rows = 0
+    for _ in range(repeats):
+        buffer.copy_(logits)
+        launch_cross_entropy_forward(buffer, buffer, target, loss, None, None, scale, **options)
+        wrong_rows += ((loss - expected).abs() > 1e-4).sum().item()
+    assert wrong_rows == 0
 
 
 def run_flce(x, w, target, **kwargs):
