@@ -286,7 +286,7 @@ def _scale_rows_kernel(
 # With the gradient, 8 warps and L2 hints (evict_last on the first read, evict_first on the
 # second and on the store) took 0.94-0.98 x the time of the unhinted 8192-element blocks at
 # vocab 32000-256000 (the same hints on 8192-element blocks: 0.93-1.06 x). Without it, 4 warps:
-# 95-98% of copy, against 91-94% at 8192 with 8 warps. One 32K block in registers (1 program per
+# 95-97% of copy, against 90-94% at 8192 with 8 warps. One 32K block in registers (1 program per
 # SM) was slower, and so were rows split over several programs or limited to a few per SM.
 SINGLE_BLOCK_MAX = 8192
 LOOP_BLOCK = 4096
