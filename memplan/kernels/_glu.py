@@ -36,7 +36,7 @@ from memplan.kernels._utils import (
 
 
 @triton.jit
-def tile_of(pid, n_cols, n_col_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def tile_of(pid, n_col_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """(rows[:, None], cols[None, :]) of tile `pid` on a 1-d grid: the column blocks of a row
     group are consecutive programs, so neighbouring programs touch neighbouring memory (a 2-d
     grid with rows on axis 0 walks down a column block instead). Row indices are int64.

@@ -66,7 +66,7 @@ def _geglu_forward_kernel(
     BLOCK: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    rows, cols = tile_of(tl.program_id(0), n_cols, n_col_blocks, ROWS, BLOCK)
+    rows, cols = tile_of(tl.program_id(0), n_col_blocks, ROWS, BLOCK)
     mask = (rows < n_rows) & (cols < n_cols)
     g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
     u = load_tile(up_ptr, up_row_stride, rows, cols, mask)
@@ -97,7 +97,7 @@ def _geglu_backward_kernel(
     WRITE_PRODUCT: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    rows, cols = tile_of(tl.program_id(0), n_cols, n_col_blocks, ROWS, BLOCK)
+    rows, cols = tile_of(tl.program_id(0), n_col_blocks, ROWS, BLOCK)
     mask = (rows < n_rows) & (cols < n_cols)
     do = load_tile(dout_ptr, dout_row_stride, rows, cols, mask)
     g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
