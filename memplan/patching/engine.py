@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import os
 import types
 import warnings
@@ -122,6 +121,7 @@ def apply(
     batch: int | None = None,
     seq: int | None = None,
     gpu: str | None = None,
+    setup: Mapping[str, Any] | None = None,
 ) -> AppliedPatch:
     """Patch a built transformers causal LM (or a PEFT / DDP / torch.compile wrapper of one)
     in place with memplan's kernels and return what was applied.
@@ -130,8 +130,11 @@ def apply(
     "auto" without them, or None, switches on every kernel the architecture supports. A Plan
     is used as given (kernels it names that this model cannot use are reported in `skipped`).
     `kernels` and `flce_chunk` / `flce_memory_budget` (bytes FLCE may hold beyond dX and dW;
-    it then picks its chunk and schedule) override the plan. Applying the same thing twice changes
-    nothing; applying something else first reverts the previous patch."""
+    it then picks its chunk and schedule) override the plan. `setup` gives the advisor what the
+    model does not show (e.g. precision="amp-bf16" under autocast, grad_checkpointing=True
+    switched on later, optimizer, grad_accum); the rest is read off the model. Applying the
+    same thing twice changes nothing; applying something else first reverts the previous
+    patch."""
     hf_model = unwrap(model)
     spec = spec_for(hf_model)
     _check_device()
@@ -142,7 +145,9 @@ def apply(
         raise UsageError("give flce_chunk or flce_memory_budget, not both")
     supported = supported_kernels(hf_model)
 
-    resolved_plan = _resolve_plan(model, hf_model, plan, batch=batch, seq=seq, gpu=gpu)
+    resolved_plan = _resolve_plan(
+        model, hf_model, plan, batch=batch, seq=seq, gpu=gpu, setup=setup or {}
+    )
     skipped: dict[str, str] = {}
     if kernels is not None:
         chosen = _validate_kernel_names(kernels, supported, spec.model_type)
@@ -175,8 +180,17 @@ def apply(
     for target in targets:
         for kernel in target.kernels:
             modules[kernel].append(target.name)
+    head = getattr(hf_model, "lm_head", None)
     for kernel in chosen:
-        if not modules[kernel]:
+        if modules[kernel]:
+            continue
+        if kernel == "flce" and head is not None and not _plain_linear(head):
+            skipped[kernel] = (
+                f"lm_head is a {type(head).__module__}.{type(head).__qualname__}, not an "
+                "nn.Linear: FLCE needs the projection's weight, so the loss runs on the head's "
+                "logits"
+            )
+        else:
             skipped[kernel] = "no module of this model uses it"
     applied = AppliedPatch(
         model_type=spec.model_type,
@@ -329,7 +343,13 @@ def _resolve_plan(
     batch: int | None,
     seq: int | None,
     gpu: str | None,
+    setup: Mapping[str, Any],
 ) -> Plan | None:
+    unknown = sorted(set(setup) - set(SETUP_OPTIONS))
+    if unknown:
+        raise UsageError(
+            f"unknown setup option {', '.join(unknown)}; valid: {', '.join(SETUP_OPTIONS)}"
+        )
     if plan is None or isinstance(plan, Plan):
         return plan
     if plan != "auto":
@@ -344,10 +364,21 @@ def _resolve_plan(
     config = hf_model.config
     name = getattr(config, "_name_or_path", None) or config.model_type
     model_spec = spec_from_config(config.to_dict(), name)
-    options = {"gpu": gpu, **_setup_of(model, hf_model)}
-    accepted = inspect.signature(advise).parameters
-    options = {k: v for k, v in options.items() if k in accepted and v is not None}
+    options = {"gpu": gpu, **_setup_of(model, hf_model), **setup}
+    options = {k: v for k, v in options.items() if v is not None}
     return advise(model_spec, batch=batch, seq=seq, **options).plan
+
+
+# The advisor's options that describe the training setup (memplan.advisor.advise).
+SETUP_OPTIONS = (
+    "precision",
+    "optimizer",
+    "grad_checkpointing",
+    "attn",
+    "lora_rank",
+    "lora_targets",
+    "grad_accum",
+)
 
 
 def _setup_of(model: nn.Module, hf_model: nn.Module) -> dict[str, Any]:
@@ -411,13 +442,14 @@ def _plan_targets(
                     glu_function = functools.partial(glu_function, approximate=approximate)
                 forward = forwards.mlp_forward(spec.mlp, glu_function)
                 targets.append(_Target(name, module, (glu,), forward))
-            elif loss_kernels and module is hf_model:
+            elif module is hf_model and _loss_kernels(module, loss_kernels):
+                loss_kernels = _loss_kernels(module, loss_kernels)
                 _require(module, ("lm_head", spec.causal_lm.base_model_attr, "config"))
                 if spec.causal_lm.moe_aux_loss:
                     _require(module, ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))
                     forwards.family_function(module, "load_balancing_loss_func")
                 kernels = forwards.LossKernels(
-                    flce=functions.get("flce"),
+                    flce=functions.get("flce") if "flce" in loss_kernels else None,
                     cross_entropy=functions.get("cross_entropy"),
                     flce_chunk=flce_setting[0],
                     flce_memory_budget=flce_setting[1],
@@ -430,7 +462,54 @@ def _plan_targets(
                 f"{name or cls} ({cls}) does not have the layout memplan's {spec.model_type} "
                 f"patch expects: {exc}; the model is unchanged"
             ) from exc
+    _check_forwards_are_free(hf_model, targets, originals)
     return targets
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear
+
+
+def _loss_kernels(hf_model: nn.Module, chosen: tuple[str, ...]) -> tuple[str, ...]:
+    """The loss kernels the causal-LM forward can use: FLCE reads lm_head's weight, which an
+    adapter-wrapped head (PEFT modules_to_save, LoRA) does not hold as a plain projection."""
+    head = getattr(hf_model, "lm_head", None)
+    if head is not None and not _plain_linear(head):
+        return tuple(k for k in chosen if k != "flce")
+    return chosen
+
+
+def _check_forwards_are_free(
+    hf_model: nn.Module, targets: Sequence[_Target], originals: Mapping[int, _Installed]
+) -> None:
+    """Refuse, before anything changes, what replacing a forward would silently break: accelerate's
+    dispatch hooks (device_map over several devices, offload: they move weights and inputs in a
+    forward memplan would replace, and FLCE reads lm_head's weight directly) and any forward
+    already set on an instance by someone else (accelerate.prepare's autocast wrapper: a bf16 run
+    would silently train in fp32)."""
+    for name, module in hf_model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            raise MemplanError(
+                f"{name or type(module).__name__} carries an accelerate dispatch hook (device_map "
+                "over several devices or offloading), which memplan's forwards would bypass; load "
+                "the model on one GPU. The model is unchanged"
+            )
+    for target in targets:
+        current = target.module.__dict__.get("forward")
+        record = originals.get(id(target.module))
+        ours = record is not None and getattr(current, "__func__", None) is record.forward
+        if current is not None and not ours:
+            by = (
+                "accelerate's mixed-precision wrapper (accelerator.prepare, Trainer.train)"
+                if "_original_forward" in target.module.__dict__
+                else "another library"
+            )
+            raise MemplanError(
+                f"the forward of {target.name or type(target.module).__name__} was already "
+                f"replaced on the instance by {by}, which memplan would drop; call memplan.apply "
+                "before wrapping the model (MemplanTrainerCallback patches when the Trainer is "
+                "built). The model is unchanged"
+            )
 
 
 def _unpatched_forward(module: nn.Module, record: _Installed | None) -> Callable[..., Any]:

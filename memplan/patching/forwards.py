@@ -7,8 +7,11 @@ forward does; only the fused op replaces the PyTorch one."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -205,6 +208,10 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
     var_keyword = next(
         (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
     )
+    # A method of the module is called through its function on `self`, not through the bound
+    # method: copy.deepcopy rebinds the instance's forward but not what this closure holds, so
+    # a copy would otherwise run the source model's weights in eval and without labels.
+    unbound = original.__func__ if isinstance(original, types.MethodType) else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if args:
@@ -213,7 +220,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             kwargs = {**arguments, **extra}
         labels = kwargs.get("labels")
         if labels is None or not self.training:
-            return original(**kwargs)
+            return unbound(self, **kwargs) if unbound is not None else original(**kwargs)
         if kwargs.get("use_cache") is None:
             # transformers builds a KV cache in training too (config.use_cache), holding a copy
             # of every layer's keys and values until the forward returns: under autocast (fp32
@@ -281,9 +288,22 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
                 attentions=outputs.attentions,
                 router_logits=outputs.router_logits,
             )
-        return result if return_dict else result.to_tuple()
+        return result if return_dict else _to_tuple(result)
 
+    # HF's signature, for what inspects the forward: the Trainer keeps only the dataset columns
+    # it names, generate() checks it for attention_mask and logits_to_keep.
+    functools.update_wrapper(forward, unbound if unbound is not None else original)
     return forward
+
+
+def _to_tuple(output: Any) -> tuple[Any, ...]:
+    """output.to_tuple() with the logits slot kept (None): to_tuple drops None fields, which
+    would move hidden states or the cache to where HF's tuple has the logits."""
+    return tuple(
+        getattr(output, f.name)
+        for f in dataclasses.fields(output)
+        if f.name == "logits" or getattr(output, f.name) is not None
+    )
 
 
 def _loss(

@@ -1,24 +1,27 @@
-"""Hugging Face Trainer integration: a callback that patches the model when training begins."""
+"""Hugging Face Trainer integration: a callback that patches the model the Trainer trains."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import torch
 from transformers import TrainerCallback
 
-from memplan.patching.engine import AppliedPatch, apply
+from memplan.patching.engine import AppliedPatch, applied_patch, apply, unwrap
 from memplan.schema import Plan
 
 
 class MemplanTrainerCallback(TrainerCallback):
-    """`Trainer(..., callbacks=[MemplanTrainerCallback()])` patches the model with memplan at
-    on_train_begin (after the Trainer built and wrapped it; the patch lives on the module
-    instances, so DDP, accelerate and PEFT wrappers keep it).
+    """`Trainer(..., callbacks=[MemplanTrainerCallback()])` patches the model with memplan when
+    the Trainer is built (on_init_end): before Trainer.train hands it to accelerate.prepare,
+    whose mixed-precision wrapper then wraps the patched forward. The patch lives on the module
+    instances, so DDP, accelerate and PEFT wrappers keep it. on_train_begin patches a model the
+    Trainer made afresh (model_init) or one whose callback was added after construction.
 
     With plan="auto" and `seq` given, the advisor plans for the Trainer's
     per_device_train_batch_size; otherwise every supported kernel is switched on. What was
-    applied is in `.applied` after training begins."""
+    applied is in `.applied`."""
 
     def __init__(
         self,
@@ -36,16 +39,55 @@ class MemplanTrainerCallback(TrainerCallback):
         self.gpu = gpu
         self.applied: AppliedPatch | None = None
 
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any):
+        self._apply(args, model)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any):
+        # A model patched at on_init_end is now inside accelerate's wrapper: left as it is.
+        if model is not None and applied_patch(model) is None:
+            self._apply(args, model)
+
+    def _apply(self, args: Any, model: Any) -> None:
         if model is None:
             return
-        batch = args.per_device_train_batch_size if self.seq is not None else None
+        planned = self.seq is not None
         self.applied = apply(
             model,
             self.plan,
             kernels=self.kernels,
             flce_chunk=self.flce_chunk,
-            batch=batch,
+            batch=args.per_device_train_batch_size if planned else None,
             seq=self.seq,
             gpu=self.gpu,
+            setup=trainer_setup(args, model) if planned else None,
         )
+
+
+# TrainingArguments.optim values whose memory the advisor models.
+_OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_hf": "adamw",
+    "sgd": "sgd",
+    "adafactor": "adafactor",
+    "adamw_bnb_8bit": "adamw-8bit",
+    "adamw_8bit": "adamw-8bit",
+}
+
+
+def trainer_setup(args: Any, model: Any) -> dict[str, Any]:
+    """The advisor's setup options the Trainer's arguments decide, which the model does not show
+    when the Trainer is built: autocast over fp32 weights, gradient checkpointing (switched on in
+    Trainer.train), the optimizer, gradient accumulation."""
+    setup: dict[str, Any] = {"grad_accum": args.gradient_accumulation_steps}
+    if next(unwrap(model).parameters()).dtype == torch.float32:
+        if args.bf16:
+            setup["precision"] = "amp-bf16"
+        elif args.fp16:
+            setup["precision"] = "amp-fp16"
+    if args.gradient_checkpointing:
+        setup["grad_checkpointing"] = True
+    optimizer = _OPTIMIZERS.get(str(getattr(args.optim, "value", args.optim)))
+    if optimizer is not None:
+        setup["optimizer"] = optimizer
+    return setup

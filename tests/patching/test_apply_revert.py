@@ -15,7 +15,7 @@ from memplan.errors import MemplanError, UsageError
 from memplan.patching import engine
 from memplan.schema import KERNEL_NAMES, Plan
 
-from .tiny_models import batch, build, pair
+from .tiny_models import batch, build, pair, rel_err
 
 
 def instance_forwards(model: nn.Module) -> dict[str, object]:
@@ -250,6 +250,74 @@ def test_deepcopy_of_a_patched_model_is_patched_on_its_own_modules():
     mp.revert(twin)
     assert instance_forwards(twin) == {}
     assert instance_forwards(model)
+
+
+def test_deepcopy_of_a_patched_model_runs_its_own_weights():
+    """The causal-LM forward falls back to HF's in eval and without labels: through the copy's
+    own method, not the source model's (which a closure over the bound method would call)."""
+    model = build("llama")
+    mp.apply(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(0.5)
+    twin.eval()
+    model.eval()
+    with torch.no_grad():
+        patched_logits = twin(**batch()).logits
+        mp.revert(twin)
+        hf_logits = twin(**batch()).logits
+        source_logits = model(**batch()).logits
+    assert rel_err(patched_logits, hf_logits) <= 1e-5  # the copy's weights, memplan's kernels
+    assert rel_err(patched_logits, source_logits) > 1e-2
+
+
+def test_patched_forward_shows_hf_signature():
+    """The Trainer keeps only the dataset columns the forward names; generate() checks it too."""
+    import inspect
+
+    reference, patched = pair("qwen3")
+    mp.apply(patched)
+    assert inspect.signature(patched.forward) == inspect.signature(reference.forward)
+
+
+def test_tuple_output_keeps_the_logits_slot():
+    reference, patched = pair("llama")
+    mp.apply(patched)
+    kwargs = dict(batch(), return_dict=False, output_hidden_states=True, use_cache=False)
+    ref, out = reference(**kwargs), patched(**kwargs)
+    assert len(out) == len(ref) and out[1] is None
+    assert torch.allclose(out[0], ref[0], rtol=1e-5)
+    assert all(rel_err(a, b) <= 1e-5 for a, b in zip(out[-1], ref[-1]))  # hidden states
+
+
+def test_accelerate_dispatch_hook_is_refused_and_model_unchanged():
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = build("llama")
+    add_hook_to_module(model.model.norm, ModelHook())
+    before = instance_forwards(model)
+    with pytest.raises(MemplanError, match="model.norm carries an accelerate dispatch hook"):
+        mp.apply(model)
+    assert instance_forwards(model) == before and mp.applied_patch(model) is None
+
+
+def test_forward_wrapped_by_accelerate_prepare_is_refused_and_model_unchanged():
+    """Patching after accelerate.prepare would drop its autocast wrapper (bf16 runs would train
+    in fp32): refused, before anything changes."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    model = build("llama")
+    try:
+        prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
+    finally:  # the accelerator's state is process-wide
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    before = instance_forwards(prepared)
+    with pytest.raises(MemplanError, match="accelerate's mixed-precision wrapper"):
+        mp.apply(prepared)
+    assert instance_forwards(prepared) == before and mp.applied_patch(prepared) is None
 
 
 def test_revert_leaves_a_forward_wrapped_after_apply_and_warns():

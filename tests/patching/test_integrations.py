@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -36,7 +37,12 @@ def test_peft_lora_model_trains_like_hf(family, targets):
             torch.nn.init.normal_(a.data, std=0.02)
             b.data.copy_(a.data)
     applied = mp.apply(patched)
-    assert {"rms_norm", "rope", "swiglu", "flce"} <= set(applied.kernels)
+    if "lm_head" in targets:  # FLCE needs a plain projection; the loss runs on the logits
+        assert {"rms_norm", "rope", "swiglu", "cross_entropy"} <= set(applied.kernels)
+        assert "flce" not in applied.kernels
+        assert applied.skipped["flce"].startswith("lm_head is a peft.tuners.lora.")
+    else:
+        assert {"rms_norm", "rope", "swiglu", "flce"} <= set(applied.kernels)
     lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
     mp.revert(patched)
     assert mp.applied_patch(patched) is None
@@ -70,10 +76,10 @@ class _Tokens(torch.utils.data.Dataset):
         return {k: v[0] for k, v in self.rows[i].items()}
 
 
-def _train_with_trainer(model, tmp_path, callbacks) -> list[float]:
-    from transformers import Trainer, TrainingArguments
+def _training_args(tmp_path, **overrides):
+    from transformers import TrainingArguments
 
-    args = TrainingArguments(
+    options = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -86,12 +92,19 @@ def _train_with_trainer(model, tmp_path, callbacks) -> list[float]:
         seed=0,
         disable_tqdm=True,
     )
+    return TrainingArguments(**{**options, **overrides})
+
+
+def _train_with_trainer(model, tmp_path, callbacks, **overrides) -> list[float]:
+    from transformers import Trainer
+
+    args = _training_args(tmp_path, **overrides)
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(8), callbacks=callbacks)
     trainer.train()
     return [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
 
-def test_trainer_callback_patches_at_train_begin(tmp_path):
+def test_trainer_callback_patches_the_model_the_trainer_trains(tmp_path):
     reference = build("llama")
     patched = copy.deepcopy(reference)
     callback = mp.MemplanTrainerCallback(kernels=["rms_norm", "rope", "swiglu", "flce"])
@@ -100,8 +113,58 @@ def test_trainer_callback_patches_at_train_begin(tmp_path):
     assert callback.applied is not None and callback.applied.kernels[-1] == "flce"
     assert mp.applied_patch(patched) is callback.applied
     assert len(losses_pat) == 2
-    # gradient accumulation: the Trainer passes num_items_in_batch to the patched forward
+    # gradient accumulation: the Trainer passes num_items_in_batch to the patched forward; the
+    # patched forward shows HF's signature, so the Trainer keeps the input columns
     assert losses_pat == pytest.approx(losses_ref, rel=1e-5)
+
+
+def test_trainer_callback_keeps_the_trainers_autocast(tmp_path):
+    """bf16=True over fp32 weights: the patch is in place before accelerate.prepare wraps the
+    forward in autocast, so the projections still run in bf16."""
+    dtypes: dict[str, list[torch.dtype]] = {"hf": [], "memplan": []}
+    losses = {}
+    for name, callbacks in (("hf", []), ("memplan", [mp.MemplanTrainerCallback()])):
+        model = build("llama")
+        model.model.layers[0].self_attn.o_proj.register_forward_hook(
+            lambda module, args, out, seen=dtypes[name]: seen.append(out.dtype)
+        )
+        losses[name] = _train_with_trainer(model, tmp_path / name, callbacks, bf16=True)
+    assert set(dtypes["hf"]) == set(dtypes["memplan"]) == {torch.bfloat16}
+    assert losses["memplan"] == pytest.approx(losses["hf"], rel=1e-2)
+
+
+def test_trainer_setup_reads_what_the_model_does_not_show(tmp_path):
+    from memplan.advisor import advise
+    from memplan.patching.engine import SETUP_OPTIONS
+    from memplan.patching.trainer import trainer_setup
+
+    assert set(SETUP_OPTIONS) <= set(inspect.signature(advise).parameters)
+    args = _training_args(tmp_path, bf16=True, gradient_checkpointing=True, optim="adafactor")
+    assert trainer_setup(args, build("llama")) == {
+        "grad_accum": 2,
+        "precision": "amp-bf16",
+        "grad_checkpointing": True,
+        "optimizer": "adafactor",
+    }
+    bf16_model = build("llama", dtype=torch.bfloat16)
+    assert trainer_setup(_training_args(tmp_path, bf16=True), bf16_model) == {
+        "grad_accum": 2,
+        "optimizer": "adamw",
+    }
+
+
+def test_apply_setup_reaches_the_advisor():
+    from memplan.advisor import advise
+    from memplan.catalog import spec_from_config
+
+    model = build("llama")
+    setup = {"precision": "amp-bf16", "grad_checkpointing": True, "grad_accum": 4}
+    applied = mp.apply(model, batch=2, seq=12, gpu="h100", setup=setup)
+    spec = spec_from_config(model.config.to_dict(), "llama")
+    expected = advise(spec, 2, 12, gpu="h100", attn="eager", **setup).plan
+    assert applied.plan == expected
+    with pytest.raises(UsageError, match="unknown setup option dtype; valid: precision"):
+        mp.apply(build("llama"), batch=2, seq=12, setup={"dtype": "bf16"})
 
 
 def test_auto_class_builds_and_patches():
