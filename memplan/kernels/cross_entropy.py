@@ -137,7 +137,10 @@ def _cross_entropy_fwd_kernel(
         return
     # Every thread reads the target logit, but only one writes its gradient, possibly over it
     # (in place): read it first, and keep a barrier between the reads and the gradient's stores.
-    x_t = tl.load(logits_row + target).to(tl.float32)
+    # A target outside [0, n_cols) reads nothing; its row's lse, and so its loss and gradient,
+    # become NaN below (torch raises there; a host check would cost a sync per call).
+    in_range = (target >= 0) & (target < n_cols)
+    x_t = tl.load(logits_row + target, mask=in_range, other=0.0).to(tl.float32)
 
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
@@ -160,7 +163,7 @@ def _cross_entropy_fwd_kernel(
             m = m_new
             if HAS_SMOOTHING:
                 sum_x += tl.sum(tl.where(mask, xb, 0.0), 0)
-    lse = m + tl.log(d)
+    lse = tl.where(in_range, m + tl.log(d), float("nan"))
 
     if HAS_SOFTCAP:
         x_t = softcap * _tanh(x_t / softcap)

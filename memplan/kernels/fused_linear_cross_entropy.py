@@ -132,14 +132,23 @@ def _mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
         torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
-def _chunks_with_targets(target: Tensor, ignore_index: int, chunk: int) -> list[bool]:
-    """Whether each chunk of rows has at least one target (one host sync)."""
+def _chunks_with_targets(target: Tensor, ignore_index: int, chunk: int, vocab: int) -> list[bool]:
+    """Whether each chunk of rows has at least one target. A target outside the vocabulary is
+    an error (as in torch's cross entropy), checked in the same host sync."""
     n_chunks = -(-target.shape[0] // chunk)
     valid = target != ignore_index
+    out_of_range = (valid & ((target < 0) | (target >= vocab))).any()
     pad = n_chunks * chunk - target.shape[0]
     if pad:
         valid = torch.cat([valid, valid.new_zeros(pad)])
-    return valid.view(n_chunks, chunk).any(dim=1).tolist()
+    flags = torch.cat([valid.view(n_chunks, chunk).any(dim=1), out_of_range[None]]).tolist()
+    *has_targets, bad = flags
+    if bad:
+        raise UsageError(
+            f"a target is outside the vocabulary [0, {vocab}) and is not ignore_index "
+            f"({ignore_index})"
+        )
+    return has_targets
 
 
 def _flce(
@@ -208,7 +217,7 @@ def _flce(
             return loss_rows, z_rows, scale, dx, dw, db
         return loss_sum, z_sum, scale, dx, dw, db
 
-    has_targets = _chunks_with_targets(target, ignore_index, chunk)
+    has_targets = _chunks_with_targets(target, ignore_index, chunk, vocab)
     buffer_elems = chunk * vocab if schedule != "two_pass" else max(chunk * vocab, n_rows)
     buffer = torch.empty(buffer_elems, dtype=dtype, device=device)
     acc = None

@@ -105,6 +105,28 @@ def test_all_rows_ignored(reduction):
     assert torch.equal(logits.grad, torch.zeros_like(logits))
 
 
+@pytest.mark.parametrize("bad_target", [97, 500, -5])
+@pytest.mark.parametrize("loop", [False, True])
+def test_target_outside_the_vocabulary_gives_nan_in_its_row_only(monkeypatch, bad_target, loop):
+    """torch raises; without a host sync the kernel can only make the row's loss and gradient
+    NaN, and must not read another row's logit (97 is the first column of the next row)."""
+    if loop:
+        monkeypatch.setattr(ce_module, "SINGLE_BLOCK_MAX", 32)
+        monkeypatch.setattr(ce_module, "LOOP_BLOCK", 32)
+    logits, target = make_inputs(5, 97, torch.float32, n_ignored=0)
+    target[2] = bad_target
+    leaf = logits.clone().requires_grad_()
+    loss = cross_entropy(leaf * 1, target, reduction="none", inplace_grad=True)
+    loss.sum().backward()
+    good = torch.arange(5) != 2
+    assert torch.isnan(loss[2]) and torch.isnan(leaf.grad[2]).all()
+    ref_leaf = logits.clone().requires_grad_()
+    ref = reference_cross_entropy(ref_leaf[good], target[good], reduction="none")
+    ref.sum().backward()
+    assert rel_err(loss[good], ref) <= 1e-5
+    assert rel_err(leaf.grad[good], ref_leaf.grad[good]) <= 1e-5
+
+
 def test_custom_ignore_index_and_int32_targets():
     logits, target = make_inputs(7, 500, torch.float32)
     target[target == -100] = 3

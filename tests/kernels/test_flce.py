@@ -176,6 +176,14 @@ def test_all_rows_ignored(reduction):
         assert torch.equal(leaf.grad, torch.zeros_like(leaf))
 
 
+@pytest.mark.parametrize("bad_target", [500, -5])
+def test_target_outside_the_vocabulary_raises(bad_target):
+    x, w, _, target = make_inputs(9, 64, 500, torch.float32)
+    target[4] = bad_target
+    with pytest.raises(UsageError, match=r"outside the vocabulary \[0, 500\)"):
+        fused_linear_cross_entropy(x, w.requires_grad_(), target, chunk_size=4)
+
+
 def test_chunks_without_targets_skip_their_gemms(monkeypatch):
     calls = []
     original = flce_module._linear

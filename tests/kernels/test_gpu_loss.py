@@ -137,6 +137,25 @@ def test_cross_entropy_in_place_loss_reads_the_target_logit_first(vocab):
     assert wrong_rows == 0
 
 
+@pytest.mark.parametrize("vocab", [8000, 128256])
+def test_cross_entropy_target_outside_the_vocabulary_is_nan_in_its_row(vocab):
+    """The last row's target is the vocabulary size: its loss and gradient are NaN and nothing
+    past the buffer is read; every other row matches the reference."""
+    n_rows = 4096
+    logits = torch.randn(n_rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    target = random_targets(n_rows, vocab, 300)
+    target[-1] = vocab
+    leaf = logits.clone().requires_grad_()
+    loss = cross_entropy(leaf * 1, target, reduction="none", inplace_grad=True)
+    loss.sum().backward()
+    assert torch.isnan(loss[-1]) and torch.isnan(leaf.grad[-1].float()).all()
+    ref_leaf = logits[:-1].float().requires_grad_()
+    ref = reference_cross_entropy(ref_leaf, target[:-1], reduction="none")
+    ref.sum().backward()
+    assert rel_err(loss[:-1], ref) <= 1e-2
+    assert rel_err(leaf.grad[:-1], ref_leaf.grad) <= 1e-2
+
+
 def run_flce(x, w, target, **kwargs):
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     loss = fused_linear_cross_entropy(xl, wl, target, **kwargs)
