@@ -81,6 +81,11 @@ GRID: list[Config] = [
     Config("gemma-3-1b", 2, 2048),
     Config("gemma-2-2b", 2, 1024),
     Config("phi-3-mini", 2, 1024, layers=4),
+    # Gradient accumulation: every micro-step after the first starts with all gradients alive.
+    Config("llama-3.2-1b", 2, 1024, {"grad_accum": 4}),
+    Config("qwen2.5-1.5b", 2, 1024, {"grad_accum": 2}),
+    Config("gemma-2b", 1, 2048, {"grad_accum": 2}),
+    Config("llama-3.2-1b", 4, 1024, {**LORA_QKVO, "grad_accum": 2}),
     # Mixture of experts, cut to 2 layers (router, top-k gather, expert matmuls).
     Config("qwen3-30b-a3b", 2, 1024, layers=2),
     Config("mixtral-8x7b", 1, 1024, layers=2),

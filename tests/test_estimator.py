@@ -100,3 +100,20 @@ def test_checkpointing_and_kernels_lower_the_peak() -> None:
         spec, plain.model_copy(update={"kernels": ("rms_norm", "rope", "swiglu", "flce")})
     ).peak_bytes
     assert ckpt < base and fused < base
+
+
+def test_gradient_accumulation_holds_every_gradient_in_later_micro_steps() -> None:
+    """Micro-steps after the first run their forward and backward over the gradients of the
+    earlier ones: measured on an H200 (llama-3.2-1b, batch 2 x 1024, bf16, kernels none),
+    16.70e9 bytes at 4 accumulation steps against 14.23e9 at 1, the bf16 gradients' 2.47e9."""
+    spec = dict(list_models())["llama-3.2-1b"]
+    one = TrainSetup(batch=2, seq=1024)
+    single = estimate(spec, one)
+    accumulated = estimate(spec, one.model_copy(update={"grad_accum": 4}))
+    assert accumulated.peak_bytes - single.peak_bytes == 2 * single.params
+    assert accumulated.breakdown["gradients"] == 2 * single.params
+    # step 1's peak is its optimizer step (states allocated over every gradient) either way
+    assert accumulated.peak_step1_bytes == single.peak_step1_bytes
+    lora = one.model_copy(update={"lora_rank": 16})
+    lora_gain = estimate(spec, lora.model_copy(update={"grad_accum": 2})).peak_bytes
+    assert lora_gain - estimate(spec, lora).peak_bytes < 2 * single.params / 100

@@ -331,7 +331,12 @@ def attention_scores_backward_bytes(
     return spec.num_attention_heads * setup.seq * per_score
 
 
-def walk_step(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady: bool) -> Walk:
+def walk_step(
+    spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady: bool, accumulating: bool = False
+) -> Walk:
+    """One micro-step's forward and backward (and the optimizer step after it). `accumulating`:
+    a later micro-step of gradient accumulation, which starts with every gradient alive; each
+    new gradient is then added into the one there (in place) and freed, instead of kept."""
     kernels = set(setup.kernels)
     saved = sizes.saved
     ckpt = setup.grad_checkpointing
@@ -340,6 +345,26 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady: bool
     walk.add("optimizer_states", sizes.states if steady else 0)
     # Forward thread's cuBLAS workspace, and in a steady step the autograd thread's too.
     walk.add("cublas_workspace", sizes.workspace * (2 if steady else 1))
+    embedding_grad = (
+        0 if setup.lora_rank else round_block(sizes.counts.embedding * sizes.param_bytes)
+    )
+    final_norm_grad = (
+        0 if setup.lora_rank else round_block(sizes.counts.final_norm * sizes.param_bytes)
+    )
+
+    def keep_gradient(nbytes: int) -> None:
+        if not accumulating:
+            walk.add("gradients", nbytes)
+
+    if accumulating:
+        tied_embedding = embedding_grad if not spec.tie_word_embeddings else 0
+        walk.add(
+            "gradients",
+            sizes.lm_head_grad
+            + len(saved.layers) * sizes.layer_grad
+            + tied_embedding
+            + final_norm_grad,
+        )
     walk.mark("start", "weights + optimizer states")
 
     walk.add("activations", saved.shared + saved.embedding)
@@ -390,7 +415,7 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady: bool
         walk.mark("backward", "lm_head backward", sizes.grad_hidden + sizes.lm_head_grad)
     # FLCE computed dX and dW in its forward; backward hands them on.
     walk.alive["logits_and_loss"] = 0
-    walk.add("gradients", sizes.lm_head_grad)
+    keep_gradient(sizes.lm_head_grad)
     walk.add("transient", sizes.grad_hidden)
     walk.add("activations", -saved.final_norm)
 
@@ -398,11 +423,10 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady: bool
         recompute = saved.layers[index] if ckpt else 0
         walk.mark("backward", f"layer {index} backward", recompute + sizes.layer_bwd_transient)
         walk.add("activations", -(sizes.residual if ckpt else saved.layers[index]))
-        walk.add("gradients", sizes.layer_grad)
+        keep_gradient(sizes.layer_grad)
     walk.alive["activations"] = 0
     walk.alive["transient"] = 0
     if not setup.lora_rank:
-        embedding_grad = round_block(sizes.counts.embedding * sizes.param_bytes)
         if spec.tie_word_embeddings:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
             # (no FLCE) plus the embedding's make a third tensor, their sum; FLCE's dW is summed
@@ -410,13 +434,20 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady: bool
             # Adafactor, whose peak falls here): one more vocab x hidden gradient without FLCE.
             copies = 1 if "flce" in kernels else 2
             walk.mark("backward", "embedding backward", copies * embedding_grad)
+        elif accumulating:
+            # The embedding backward's dense gradient, until it is added into the one there.
+            walk.mark("backward", "embedding backward", embedding_grad)
         else:
             walk.add("gradients", embedding_grad)
-        walk.add("gradients", round_block(sizes.counts.final_norm * sizes.param_bytes))
+        keep_gradient(final_norm_grad)
     walk.mark("backward", "end of backward")
     walk.alive["optimizer_states"] = sizes.states
     walk.mark("optimizer", "optimizer step", sizes.step_temp)
     return walk
+
+
+def _peak(walk: Walk) -> int:
+    return walk.points[walk.peak_index][2]
 
 
 def estimate_step(
@@ -425,6 +456,10 @@ def estimate_step(
     sizes = step_sizes(spec, setup, gpu, backend)
     first = walk_step(spec, setup, sizes, steady=False)
     steady = walk_step(spec, setup, sizes, steady=True)
+    if setup.grad_accum > 1:
+        # The step's peak is that of its first micro-step or of a later one, whichever is higher.
+        first = max(first, walk_step(spec, setup, sizes, False, accumulating=True), key=_peak)
+        steady = max(steady, walk_step(spec, setup, sizes, True, accumulating=True), key=_peak)
     peak_index = steady.peak_index
     phase, label, peak_bytes = steady.points[peak_index]
     return MemoryEstimate(
