@@ -12,6 +12,11 @@ from memplan.errors import UsageError
 from memplan.estimators import estimate
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import DtypePlan
+from memplan.estimators.params import (
+    attention_lora_targets,
+    check_lora_targets,
+    default_lora_targets,
+)
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
@@ -28,6 +33,9 @@ from memplan.schema import (
 # reference runs reserved 1.04x (fused loss) to 1.13x (HF loss) their allocated peak. A plan
 # fits when its predicted allocated peak stays under this share of the allocator's memory.
 ALLOCATOR_MARGIN = 0.90
+
+# largest_batch stops its search here (about a million sequences); render says "at least".
+MAX_BATCH_SEARCHED = 2**20
 
 # Past a few thousand rows a chunk's (rows x hidden) @ (hidden x vocab) GEMM runs near the
 # matmul peak already; larger chunks only add logits memory (benchmarks/bench_loss.py).
@@ -50,6 +58,8 @@ def parse_kernels(value: str | Iterable[str] | None, spec: ModelSpec) -> tuple[s
         return None
     names = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
     names = [n for n in names if n]
+    if isinstance(value, str) and not names:
+        raise UsageError(f"--kernels {value!r} names no kernel; say none for plain Hugging Face")
     if names == ["auto"]:
         return None
     if names in (["none"], []):
@@ -57,6 +67,9 @@ def parse_kernels(value: str | Iterable[str] | None, spec: ModelSpec) -> tuple[s
     supported = supported_kernels(spec)
     if names == ["all"]:
         return best_kernel_set(supported)
+    words = [n for n in names if n in ("auto", "none", "all")]
+    if words:
+        raise UsageError(f"--kernels {words[0]} stands alone, not in a list with other names")
     unknown = [n for n in names if n not in KERNEL_NAMES]
     if unknown:
         raise UsageError(
@@ -67,6 +80,11 @@ def parse_kernels(value: str | Iterable[str] | None, spec: ModelSpec) -> tuple[s
         raise UsageError(
             f"kernel {unsupported[0]!r} does not apply to {spec.model_type}; "
             f"it supports {', '.join(supported)}"
+        )
+    if "cross_entropy" in names and "flce" in names:
+        raise UsageError(
+            "--kernels cross_entropy and flce both compute the loss; pick one "
+            "(flce also fuses the lm_head and never materializes the logits)"
         )
     return tuple(k for k in KERNEL_NAMES if k in names)
 
@@ -131,19 +149,28 @@ def choose_flce_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> int:
     return smallest if peak(smallest) <= limit else chunk
 
 
-def largest_batch(spec: ModelSpec, setup: TrainSetup, gpu: Gpu, ceiling: int = 4096) -> int:
-    """The largest batch whose predicted peak fits (0 if not even batch 1)."""
+def largest_batch(
+    spec: ModelSpec, setup: TrainSetup, gpu: Gpu, ceiling: int = MAX_BATCH_SEARCHED
+) -> int:
+    """The largest batch that advise would say fits with these kernels, FLCE's setting chosen
+    for each batch as advise chooses it (0 if not even batch 1; `ceiling` when that fits).
+    The bisection ends on a batch that fits next to one that does not."""
     limit = usable_bytes(gpu)
 
     def fits(batch: int) -> bool:
-        return estimate(spec, setup.model_copy(update={"batch": batch}), gpu).peak_bytes <= limit
+        trial = with_flce_choice(spec, setup.model_copy(update={"batch": batch}), gpu)
+        return estimate(spec, trial, gpu).peak_bytes <= limit
 
     if not fits(1):
         return 0
-    low, high = 1, 2
-    while high <= ceiling and fits(high):
-        low, high = high, high * 2
-    high = min(high, ceiling + 1)
+    low = 1
+    while True:
+        high = min(2 * low, ceiling)
+        if high == low:
+            return ceiling
+        if not fits(high):
+            break
+        low = high
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
@@ -162,13 +189,14 @@ def advise(
     grad_checkpointing: bool = False,
     attn: str = "sdpa",
     lora_rank: int | None = None,
-    lora_targets: Iterable[str] = ("q_proj", "v_proj"),
+    lora_targets: Iterable[str] | None = None,
     grad_accum: int = 1,
     kernels: str | Iterable[str] | None = "auto",
     flce_chunk: int | None = None,
     trust_remote_code: bool = False,
 ) -> Advice:
-    """Predict the peak of one training step and recommend what to switch on."""
+    """Predict the peak of one training step and recommend what to switch on. lora_targets
+    defaults to default_lora_targets(spec) and must name linears of the architecture."""
     spec = (
         model
         if isinstance(model, ModelSpec)
@@ -178,6 +206,11 @@ def advise(
     for name, value in (("batch", batch), ("seq", seq), ("grad-accum", grad_accum)):
         if not isinstance(value, int) or value <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {value!r}")
+    targets = (
+        default_lora_targets(spec) if lora_targets is None else tuple(dict.fromkeys(lora_targets))
+    )
+    if lora_rank:
+        check_lora_targets(spec, targets)
     base = TrainSetup(
         batch=batch,
         seq=seq,
@@ -186,7 +219,7 @@ def advise(
         grad_checkpointing=grad_checkpointing,
         attn=attn,
         lora_rank=lora_rank,
-        lora_targets=tuple(lora_targets),
+        lora_targets=targets,
         grad_accum=grad_accum,
         flce_chunk=flce_chunk,
     )
@@ -197,24 +230,35 @@ def advise(
             f"{spec.max_position_embeddings}"
         )
     requested = parse_kernels(kernels, spec)
+    if flce_chunk is not None and requested is not None and "flce" not in requested:
+        raise UsageError("--flce-chunk sets the flce kernel's chunk, but --kernels leaves flce out")
     supported = supported_kernels(spec)
     options = kernel_options(spec, base, gpu_spec, supported)
     chosen = requested if requested is not None else recommend(options)
-    setup = base.model_copy(update={"kernels": chosen})
-    if "flce" in chosen and flce_chunk is None:
-        setup = setup.model_copy(update=choose_flce(spec, setup, gpu_spec))
+    if flce_chunk is not None and "flce" not in chosen:
+        warnings.append(f"--flce-chunk {flce_chunk} is unused: the plan leaves flce out")
+    setup = base.model_copy(
+        update={"kernels": chosen, "flce_chunk": flce_chunk if "flce" in chosen else None}
+    )
+    max_batch = largest_batch(spec, setup, gpu_spec)
+    setup = with_flce_choice(spec, setup, gpu_spec)
     result = estimate(spec, setup, gpu_spec)
     limit = usable_bytes(gpu_spec)
     fits = result.peak_bytes <= limit
     plan = Plan(
         kernels=chosen,
-        flce_chunk=setup.flce_chunk if "flce" in chosen else None,
-        flce_memory_budget=setup.flce_memory_budget if "flce" in chosen else None,
+        flce_chunk=setup.flce_chunk,
+        flce_memory_budget=setup.flce_memory_budget,
         micro_batch=batch,
         grad_accum=grad_accum,
         grad_checkpointing=grad_checkpointing,
         predicted_peak_bytes=result.peak_bytes,
     )
+    # The plan's kernel set is compared at the plan's FLCE setting, the others at their default.
+    plan_row = KernelOption(kernels=chosen, peak_bytes=result.peak_bytes)
+    compared = [plan_row if o.kernels == chosen else o for o in options]
+    if chosen not in {o.kernels for o in options}:
+        compared.append(plan_row)
     return Advice(
         model=spec.name or spec.model_type,
         setup=setup,
@@ -224,9 +268,9 @@ def advise(
         plan=plan,
         fits=fits,
         headroom_bytes=limit - result.peak_bytes,
-        kernel_options=options,
+        kernel_options=compared,
         suggestions=[] if fits else suggestions(spec, setup, gpu_spec, supported),
-        max_batch=largest_batch(spec, setup, gpu_spec),
+        max_batch=max_batch,
         warnings=warnings,
     )
 
@@ -257,22 +301,22 @@ def suggestions(
 ) -> list[Suggestion]:
     """Changes that make the step fit, in order of what they cost in speed or in what is
     trained: kernels, then micro-batching, then checkpointing, then LoRA. Each with its
-    predicted peak; when nothing fits, the closest."""
+    predicted peak (FLCE's setting chosen as advise chooses it); when nothing fits, the
+    closest."""
     limit = usable_bytes(gpu)
     kernels = best_kernel_set(supported)
     sequences = setup.batch * setup.grad_accum
-    lora = {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj")}
+    adapted = attention_lora_targets(spec)
+    lora = {"lora_rank": 16, "lora_targets": adapted}
+    on = f"LoRA r=16 on {', '.join(adapted)}"
     ladder: list[tuple[str, dict]] = [("kernels " + ", ".join(kernels), {})]
     if not setup.grad_checkpointing:
         ladder.append(("gradient checkpointing (~30% slower steps)", {"grad_checkpointing": True}))
     if not setup.lora_rank:
-        ladder.append(("LoRA r=16 on q,k,v,o (base frozen)", lora))
+        ladder.append((f"{on} (base frozen)", lora))
         if not setup.grad_checkpointing:
             ladder.append(
-                (
-                    "LoRA r=16 on q,k,v,o and gradient checkpointing",
-                    {**lora, "grad_checkpointing": True},
-                )
+                (f"{on} and gradient checkpointing", {**lora, "grad_checkpointing": True})
             )
     found: list[Suggestion] = []
     tried: list[Suggestion] = []
@@ -280,12 +324,17 @@ def suggestions(
         trial = setup.model_copy(
             update={"kernels": kernels, "flce_chunk": None, "flce_memory_budget": None, **change}
         )
-        for micro in _divisors_desc(setup.batch):
-            candidate = trial.model_copy(update={"batch": micro, "grad_accum": sequences // micro})
+        # Only divisors up to the largest batch that fits can fit (and no more than a million
+        # sequences per micro-batch are searched).
+        ceiling = min(setup.batch, MAX_BATCH_SEARCHED)
+        bound = max(1, largest_batch(spec, trial, gpu, ceiling=ceiling))
+        for micro in _divisors_desc(setup.batch, bound):
+            candidate = with_flce_choice(
+                spec,
+                trial.model_copy(update={"batch": micro, "grad_accum": sequences // micro}),
+                gpu,
+            )
             peak = estimate(spec, candidate, gpu).peak_bytes
-            if peak <= limit:
-                candidate = _with_chunk(spec, candidate, gpu)
-                peak = estimate(spec, candidate, gpu).peak_bytes
             text = (
                 description
                 if micro == setup.batch
@@ -304,11 +353,21 @@ def suggestions(
     return sorted(tried, key=lambda s: s.peak_bytes)[:1]
 
 
-def _with_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> TrainSetup:
+def with_flce_choice(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> TrainSetup:
+    """The setup with FLCE's setting chosen by choose_flce, unless it is fixed already."""
     if "flce" in setup.kernels and setup.flce_chunk is None and setup.flce_memory_budget is None:
         return setup.model_copy(update=choose_flce(spec, setup, gpu))
     return setup
 
 
-def _divisors_desc(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
+def _divisors_desc(n: int, most: int) -> list[int]:
+    """The divisors of n that are at most `most`, largest first: O(min(most, sqrt(n)))."""
+    small, large = [], []
+    d = 1
+    while d * d <= n and d <= most:
+        if n % d == 0:
+            small.append(d)
+            if n // d <= most and n // d != d:
+                large.append(n // d)
+        d += 1
+    return sorted(small + large, reverse=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from memplan.errors import MemplanError, positive_int
+from memplan.errors import MemplanError, UsageError, positive_int
 
 
 def console():
@@ -31,7 +31,11 @@ def cli() -> None:
 @click.option("--batch", required=True, help="sequences per forward (micro-batch)")
 @click.option("--seq", required=True, help="tokens per sequence")
 @click.option("--gpu", help="GPU name (default H100 80GB); see `memplan gpus`")
-@click.option("--gpu-mem", help="GPU memory, e.g. 24GiB (overrides --gpu's)")
+@click.option(
+    "--gpu-mem",
+    help="GPU memory with a unit, e.g. 24GiB or 24GB (overrides --gpu's); a bare number is "
+    "bytes, and it must exceed the CUDA context's 600 MiB",
+)
 @click.option(
     "--precision",
     default="bf16",
@@ -47,22 +51,36 @@ def cli() -> None:
 @click.option("--grad-checkpointing", is_flag=True)
 @click.option("--attn", default="sdpa", show_default=True, type=click.Choice(["sdpa", "eager"]))
 @click.option("--lora-rank", help="LoRA rank (base weights frozen)")
-@click.option("--lora-targets", default="q_proj,v_proj", show_default=True)
+@click.option(
+    "--lora-targets",
+    help="comma list of the linears LoRA adapts (needs --lora-rank); default q_proj,v_proj, "
+    "or qkv_proj on fused-qkv models (phi3); each must be a linear of the model",
+)
 @click.option("--grad-accum", default="1", show_default=True)
 @click.option(
     "--kernels",
     default="auto",
     show_default=True,
     help="auto | none | all | comma list of rms_norm,layer_norm,rope,swiglu,geglu,"
-    "cross_entropy,flce",
+    "cross_entropy,flce (one loss kernel: cross_entropy or flce, not both)",
 )
-@click.option("--flce-chunk", help="rows per fused-linear-cross-entropy chunk")
+@click.option(
+    "--flce-chunk",
+    help="rows per fused-linear-cross-entropy chunk (default: chosen to fit); an error when "
+    "--kernels leaves flce out",
+)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def advise(**opts: Any) -> None:
     """Predict the peak memory of a training step and say what to switch on."""
     from memplan.advisor import advise as run_advise
 
+    lora_rank = positive_int("--lora-rank", opts["lora_rank"])
+    targets = opts["lora_targets"]
+    if targets is not None and lora_rank is None:
+        raise UsageError("--lora-targets needs --lora-rank")
+    if targets is not None:
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
     advice = run_advise(
         opts["model"],
         positive_int("--batch", opts["batch"]),
@@ -73,8 +91,8 @@ def advise(**opts: Any) -> None:
         optimizer=opts["optimizer"],
         grad_checkpointing=opts["grad_checkpointing"],
         attn=opts["attn"],
-        lora_rank=positive_int("--lora-rank", opts["lora_rank"]),
-        lora_targets=[t for t in opts["lora_targets"].split(",") if t],
+        lora_rank=lora_rank,
+        lora_targets=targets,
         grad_accum=positive_int("--grad-accum", opts["grad_accum"]),
         kernels=opts["kernels"],
         flce_chunk=positive_int("--flce-chunk", opts["flce_chunk"]),

@@ -5,10 +5,16 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from memplan.advisor import ALLOCATOR_MARGIN, usable_bytes
+from memplan.advisor import ALLOCATOR_MARGIN, MAX_BATCH_SEARCHED, usable_bytes
 from memplan.schema import Advice
 
 GIB = 2**30
+
+BREAKDOWN_LABELS = {
+    "activations": "the activations saved for backward",
+    "logits_and_loss": "the logits and the loss",
+    "transient": "the temporaries of the op at the peak",
+}
 
 
 def gib(nbytes: int) -> str:
@@ -52,7 +58,16 @@ def print_advice(advice: Advice, console: Console | None = None) -> None:
     console.print(table)
     console.print(f"The peak falls in: {est.peak_phase} ({est.peak_label}).")
 
-    kernels = Table(title="Kernel sets compared")
+    others_with_flce = any(
+        "flce" in o.kernels and o.kernels != advice.plan.kernels for o in advice.kernel_options
+    )
+    kernels = Table(
+        title="Kernel sets compared",
+        caption="The plan's set at the plan's FLCE setting; other sets with flce at --flce-chunk, "
+        "else at Liger's default chunk."
+        if others_with_flce
+        else None,
+    )
     kernels.add_column("kernels")
     kernels.add_column("predicted peak", justify="right")
     kernels.add_column("vs none", justify="right")
@@ -90,13 +105,20 @@ def print_advice(advice: Advice, console: Console | None = None) -> None:
             f"more than the {gib(limit)} usable: fewer trainable parameters (LoRA) or sharding "
             "across GPUs (FSDP/ZeRO) is needed."
         )
-    elif not advice.fits:
+    elif not advice.fits and est.breakdown:
+        name, nbytes = max(est.breakdown.items(), key=lambda kv: kv[1])
+        label = BREAKDOWN_LABELS.get(name, name.replace("_", " "))
         console.print(
-            f"Why: activations saved for backward ({gib(est.breakdown.get('activations', 0))}) "
-            f"dominate at batch {setup.batch} x seq {setup.seq}."
+            f"Why: at batch {setup.batch} x seq {setup.seq} the largest part of the peak is "
+            f"{label} ({gib(nbytes)})."
         )
     if advice.max_batch is not None:
-        if advice.max_batch:
+        if advice.max_batch >= MAX_BATCH_SEARCHED:
+            console.print(
+                f"Largest batch that fits with this plan: at least {advice.max_batch:,} "
+                "(the search stops there)."
+            )
+        elif advice.max_batch:
             console.print(f"Largest batch that fits with this plan: {advice.max_batch}.")
         else:
             console.print("Not even batch 1 fits with this plan.")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from rich.console import Console
 
 from memplan.advisor import (
+    _divisors_desc,
     advise,
     choose_flce_chunk,
     largest_batch,
@@ -16,7 +20,15 @@ from memplan.catalog import resolve_gpu, resolve_model
 from memplan.errors import UsageError
 from memplan.estimators import estimate
 from memplan.estimators.kernel_contracts import flce_default_chunk
+from memplan.estimators.params import lora_params
+from memplan.render import gib, print_advice
 from memplan.schema import TrainSetup
+
+
+def rendered(advice) -> str:
+    out = io.StringIO()
+    print_advice(advice, Console(file=out, width=200))
+    return out.getvalue()
 
 
 def test_gemma_7b_b8_s4096_does_not_fit_an_h100_and_says_what_does() -> None:
@@ -93,3 +105,112 @@ def test_long_sequence_is_a_warning() -> None:
 def test_bad_numbers(batch, seq) -> None:
     with pytest.raises(UsageError):
         advise("gemma-2b", batch, seq)
+
+
+def test_divisors_below_a_bound_are_every_divisor_largest_first() -> None:
+    for n in range(1, 300):
+        for most in (1, 2, 7, n, n + 5):
+            assert _divisors_desc(n, most) == [d for d in range(min(n, most), 0, -1) if n % d == 0]
+    n = 99_999_999_999_999
+    assert _divisors_desc(n, 10) == [d for d in range(10, 0, -1) if n % d == 0]
+
+
+def test_a_huge_batch_is_answered_with_micro_batches() -> None:
+    advice = advise("gemma-7b", 99_999_999_999_999, 4096)
+    assert not advice.fits and advice.max_batch == 0
+    assert advice.suggestions[0].peak_bytes <= usable_bytes(advice.gpu)
+    setup = advice.suggestions[0].setup
+    assert setup.batch * setup.grad_accum == 99_999_999_999_999
+
+
+def test_lora_targets_must_be_linears_of_the_architecture() -> None:
+    with pytest.raises(UsageError, match="gemma has no LoRA target foo; its layers have q_proj"):
+        advise("gemma-7b", 1, 1, lora_rank=8, lora_targets=["foo"])
+    with pytest.raises(UsageError, match="phi3 has no LoRA target q_proj, v_proj; .* qkv_proj"):
+        advise("phi-3-mini", 1, 512, lora_rank=16, lora_targets=["q_proj", "v_proj"])
+    # MoE experts are 3-D parameters in transformers 5, not nn.Linear.
+    with pytest.raises(UsageError, match="down_proj"):
+        advise("mixtral-8x7b", 1, 512, lora_rank=16, lora_targets=["q_proj", "down_proj"])
+    # The estimator itself refuses them too, rather than counting 0 adapter parameters.
+    setup = TrainSetup(batch=1, seq=1, lora_rank=8, lora_targets=("foo",))
+    with pytest.raises(UsageError):
+        lora_params(resolve_model("gemma-7b"), setup)
+
+
+def test_fused_qkv_lora_defaults_and_suggestions_use_qkv_proj() -> None:
+    advice = advise("phi-3-mini", 1, 512, lora_rank=16)
+    assert advice.setup.lora_targets == ("qkv_proj",)
+    assert advice.estimate.trainable_params == lora_params(
+        resolve_model("phi-3-mini"), advice.setup
+    )
+    assert advice.estimate.trainable_params > 0
+    assert advise("llama-3.2-1b", 1, 512, lora_rank=16).setup.lora_targets == ("q_proj", "v_proj")
+    tight = advise("phi-3-mini", 64, 4096)
+    lora = [s for s in tight.suggestions if s.setup.lora_rank]
+    assert lora and all(s.setup.lora_targets == ("qkv_proj", "o_proj") for s in lora)
+    assert all("qkv_proj" in s.description for s in lora)
+
+
+@pytest.mark.parametrize(
+    "model,gpu,batch,seq,precision",
+    [
+        ("llama-3.2-1b", "h100", 8, 4096, "bf16"),
+        ("llama-3.2-1b", "h100", 6, 1024, "bf16"),
+        ("gemma-2b", "h100", 4, 2048, "amp-bf16"),
+        ("qwen2.5-0.5b", "a10g", 4, 2048, "bf16"),
+        ("smollm2-135m", "h200", 4097, 64, "bf16"),
+    ],
+)
+def test_largest_batch_is_where_advise_stops_fitting(model, gpu, batch, seq, precision) -> None:
+    advice = advise(model, batch, seq, gpu=gpu, precision=precision)
+    kernels = ",".join(advice.plan.kernels)
+    best = advice.max_batch
+    assert best > 0
+    assert advise(model, best, seq, gpu=gpu, precision=precision, kernels=kernels).fits
+    assert not advise(model, best + 1, seq, gpu=gpu, precision=precision, kernels=kernels).fits
+
+
+def test_largest_batch_at_the_search_ceiling_says_at_least() -> None:
+    spec, gpu = resolve_model("smollm2-135m"), resolve_gpu("h200")
+    setup = TrainSetup(batch=1, seq=64, kernels=("rms_norm", "flce"))
+    assert largest_batch(spec, setup, gpu, ceiling=100) == 100
+    advice = advise("smollm2-135m", 1, 1, gpu_mem="10TiB")
+    assert advice.max_batch == 2**20
+    assert "Largest batch that fits with this plan: at least 1,048,576" in rendered(advice)
+
+
+def test_why_names_the_largest_part_of_the_peak() -> None:
+    advice = advise("qwen2.5-0.5b", 16, 4096, kernels="none", gpu="a10g")
+    name, nbytes = max(advice.estimate.breakdown.items(), key=lambda kv: kv[1])
+    assert name == "logits_and_loss"
+    assert f"largest part of the peak is the logits and the loss ({gib(nbytes)})" in rendered(
+        advice
+    )
+
+
+@pytest.mark.parametrize("kernels", ["auto", "rms_norm,flce", "rms_norm,rope,swiglu,flce"])
+def test_the_plan_s_row_of_the_comparison_is_the_plan(kernels) -> None:
+    advice = advise("llama-3.2-1b", 8, 4096, kernels=kernels)
+    rows = [o for o in advice.kernel_options if o.kernels == advice.plan.kernels]
+    assert len(rows) == 1 and rows[0].peak_bytes == advice.peak_bytes
+    assert advice.kernel_options[0].kernels == ()
+
+
+def test_contradictory_options_are_errors() -> None:
+    with pytest.raises(UsageError, match="--flce-chunk"):
+        advise("gemma-7b", 1, 1, flce_chunk=100, kernels="none")
+    with pytest.raises(UsageError, match="cross_entropy and flce"):
+        advise("gemma-7b", 1, 1, kernels="cross_entropy,flce")
+    with pytest.raises(UsageError, match="names no kernel"):
+        advise("gemma-7b", 1, 1, kernels=",")
+    with pytest.raises(UsageError, match="stands alone"):
+        advise("gemma-7b", 1, 1, kernels="all,none")
+    # A list of names (verify passes one) may still be empty: no kernels.
+    assert parse_kernels([], resolve_model("gemma-7b")) == ()
+
+
+def test_gpu_memory_must_exceed_the_cuda_context() -> None:
+    with pytest.raises(UsageError, match="bare number counts bytes"):
+        advise("gemma-7b", 1, 1, gpu_mem="24")
+    with pytest.raises(UsageError, match="CUDA context"):
+        advise("gemma-7b", 1, 1, gpu_mem="512MiB")

@@ -55,6 +55,46 @@ def test_advise_path_imports_neither_torch_nor_transformers() -> None:
         (["--model", "gemma-7b", "--batch", "1", "--seq", "8", "--precision", "x"], 2, "x"),
         (["--model", "/no/such/config.json", "--batch", "1", "--seq", "8"], 1, "no such"),
         (["--batch", "1"], 2, "--model"),
+        (["--model", "gemma-7b", "--batch", "1", "--seq", "1", "--gpu-mem", "24"], 2, "a unit"),
+        (["--model", "gemma-7b", "--batch", "1", "--seq", "1", "--gpu-mem", "1"], 2, "context"),
+        (
+            ["--model", "gemma-7b", "--batch", "1", "--seq", "1", "--lora-rank", "8"]
+            + ["--lora-targets", "foo"],
+            2,
+            "gemma has no LoRA target foo",
+        ),
+        (
+            ["--model", "phi-3-mini", "--batch", "1", "--seq", "1", "--lora-rank", "8"]
+            + ["--lora-targets", "q_proj,v_proj"],
+            2,
+            "its layers have qkv_proj, o_proj",
+        ),
+        (
+            ["--model", "gemma-7b", "--batch", "1", "--seq", "1", "--lora-targets", "q_proj"],
+            2,
+            "--lora-targets needs --lora-rank",
+        ),
+        (
+            ["--model", "gemma-7b", "--batch", "1", "--seq", "1", "--flce-chunk", "100"]
+            + ["--kernels", "none"],
+            2,
+            "--flce-chunk",
+        ),
+        (
+            [
+                "--model",
+                "gemma-7b",
+                "--batch",
+                "1",
+                "--seq",
+                "1",
+                "--kernels",
+                "cross_entropy,flce",
+            ],
+            2,
+            "pick one",
+        ),
+        (["--model", "gemma-7b", "--batch", "1", "--seq", "1", "--kernels", ","], 2, "no kernel"),
     ],
 )
 def test_bad_input_is_one_line(args, code, message) -> None:
@@ -75,3 +115,20 @@ def test_unknown_architecture(tmp_path) -> None:
 def test_models_lists_the_catalog() -> None:
     run = memplan("models")
     assert run.returncode == 0 and "gemma-7b" in run.stdout and "qwen3-30b-a3b" in run.stdout
+
+
+def test_a_huge_batch_does_not_hang() -> None:
+    batch = "99999999999999"
+    run = memplan("advise", "--model", "gemma-7b", "--batch", batch, "--seq", "4096", "--json")
+    assert run.returncode == 0, run.stderr
+    setup = json.loads(run.stdout)["suggestions"][0]["setup"]
+    assert setup["batch"] * setup["grad_accum"] == int(batch)
+
+
+def test_lora_on_a_fused_qkv_model_defaults_to_qkv_proj() -> None:
+    run = memplan(
+        "advise", "--model", "phi-3-mini", "--batch", "1", "--seq", "512", "--lora-rank", "16"
+    )
+    assert run.returncode == 0, run.stderr
+    assert "LoRA r=16 on qkv_proj" in run.stdout
+    assert "qkv_proj" in memplan("advise", "--help").stdout

@@ -77,12 +77,20 @@ def list_gpus() -> list[tuple[str, Gpu]]:
 
 def resolve_gpu(name: str | None = None, memory: str | int | None = None) -> Gpu:
     """The named GPU (default H100 80GB SXM); `memory` overrides its memory, or alone describes
-    a custom GPU."""
+    a custom GPU. Raises UsageError when the memory leaves nothing beside the CUDA context."""
     if name is None and memory is not None:
-        return Gpu(name=f"custom {memory}", memory_bytes=parse_memory(memory))
-    gpu = _gpu(_gpu_key(name) if name is not None else DEFAULT_GPU)
-    if memory is not None:
-        gpu = gpu.model_copy(update={"memory_bytes": parse_memory(memory)})
+        gpu = Gpu(name=f"custom {memory}", memory_bytes=parse_memory(memory))
+    else:
+        gpu = _gpu(_gpu_key(name) if name is not None else DEFAULT_GPU)
+        if memory is not None:
+            gpu = gpu.model_copy(update={"memory_bytes": parse_memory(memory)})
+    if gpu.memory_bytes <= gpu.context_bytes:
+        bare = str(memory).strip().isdigit()
+        raise UsageError(
+            f"the GPU memory {memory!r} is {gpu.memory_bytes:,} B"
+            + (" (a bare number counts bytes: give a unit, e.g. 24GiB or 24GB)" if bare else "")
+            + f", no more than the {gpu.context_bytes / 2**20:.0f} MiB the CUDA context takes"
+        )
     return gpu
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memplan.errors import UsageError
 from memplan.schema import ModelSpec, TrainSetup
 
 
@@ -84,20 +85,56 @@ LORA_TARGET_SHAPES = {
 }
 
 
+def attention_lora_targets(spec: ModelSpec) -> tuple[str, ...]:
+    """Every attention projection (q, k, v and o) under the architecture's own names."""
+    return ("qkv_proj", "o_proj") if spec.fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def lora_target_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """The linears of one decoder layer that LoRA can adapt, by the module names transformers
+    gives them. transformers 5 builds MoE experts as 3-D parameters, not nn.Linear, so peft's
+    target_modules reach only the attention projections there."""
+    if spec.num_experts:
+        mlp: tuple[str, ...] = ()
+    elif spec.fused_gate_up:
+        mlp = ("gate_up_proj", "down_proj")
+    else:
+        mlp = ("gate_proj", "up_proj", "down_proj")
+    return attention_lora_targets(spec) + mlp
+
+
+def default_lora_targets(spec: ModelSpec) -> tuple[str, ...]:
+    """peft's default for llama-like models, q_proj and v_proj; on a fused-qkv model (phi3) the
+    one linear that holds them, qkv_proj (which adapts k as well)."""
+    return ("qkv_proj",) if spec.fused_qkv else ("q_proj", "v_proj")
+
+
+def check_lora_targets(spec: ModelSpec, targets: tuple[str, ...]) -> None:
+    """Raise UsageError unless every target names a linear of this architecture (peft would
+    raise, or silently adapt fewer modules than asked)."""
+    available = lora_target_modules(spec)
+    if not targets:
+        raise UsageError(
+            f"LoRA needs at least one target module; {spec.model_type} has {', '.join(available)}"
+        )
+    missing = [t for t in targets if t not in available]
+    if missing:
+        raise UsageError(
+            f"{spec.model_type} has no LoRA target {', '.join(missing)}; "
+            f"its layers have {', '.join(available)}"
+        )
+
+
 def lora_params(spec: ModelSpec, setup: TrainSetup) -> int:
     """Adapter parameters: r * (in + out) for each targeted linear of each layer."""
     if not setup.lora_rank:
         return 0
-    per_layer = 0
-    for target in setup.lora_targets:
-        shape = LORA_TARGET_SHAPES.get(target)
-        if shape is None:
-            continue
-        fan_in, fan_out = shape(spec)
-        per_layer += setup.lora_rank * (fan_in + fan_out)
+    per_layer = sum(setup.lora_rank * (i + o) for i, o in lora_shapes(spec, setup))
     return per_layer * spec.num_hidden_layers
 
 
 def lora_shapes(spec: ModelSpec, setup: TrainSetup) -> list[tuple[int, int]]:
     """(in, out) of each adapted linear of one layer."""
+    if setup.lora_rank:
+        check_lora_targets(spec, setup.lora_targets)
     return [LORA_TARGET_SHAPES[t](spec) for t in setup.lora_targets if t in LORA_TARGET_SHAPES]

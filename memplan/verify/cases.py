@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.errors import UsageError
+from memplan.estimators.params import default_lora_targets
 from memplan.schema import KERNEL_NAMES, Advice, Gpu, ModelSpec, Plan, TrainSetup, VerifyCase
 from memplan.verify.predict import spec_from_hf_config, with_layers
 from memplan.verify.protocol import case_name
@@ -270,6 +271,10 @@ def plan_cases(
             )
         spec, checkpoint = specs[case_layers]
         fields = {"batch": batch, "seq": seq, **setup_options, **point}
+        if fields.get("lora_targets") is None:
+            fields.pop("lora_targets", None)
+            if fields.get("lora_rank"):  # the architecture's own: qkv_proj where it is fused
+                fields["lora_targets"] = default_lora_targets(spec)
         if plan is not None:
             fields = _setup_from_plan(fields, plan)
         setup = resolve_kernels(spec, make_setup(**fields), case_kernels, gpu_spec)

@@ -118,7 +118,11 @@ def _profile_tables(m: Measurement, top: int = 10) -> list[Any]:
 @click.option("--grad-checkpointing", is_flag=True)
 @click.option("--attn", default="sdpa", show_default=True, help="sdpa | eager")
 @click.option("--lora-rank", help="LoRA rank (peft, lora_alpha=32, dropout 0)")
-@click.option("--lora-targets", default="q_proj,v_proj", show_default=True)
+@click.option(
+    "--lora-targets",
+    help="comma list of the linears LoRA adapts; default q_proj,v_proj, or qkv_proj on "
+    "fused-qkv models (phi3)",
+)
 @click.option("--grad-accum", default="1", show_default=True)
 @click.option(
     "--kernels",
@@ -176,7 +180,11 @@ def verify_command(**opts: Any) -> None:
         grad_checkpointing=opts["grad_checkpointing"],
         attn=opts["attn"],
         lora_rank=lora_rank,
-        lora_targets=tuple(t.strip() for t in opts["lora_targets"].split(",") if t.strip()),
+        lora_targets=(
+            tuple(t.strip() for t in opts["lora_targets"].split(",") if t.strip())
+            if opts["lora_targets"] is not None
+            else None
+        ),
         grad_accum=positive_int("--grad-accum", opts["grad_accum"]),
         flce_chunk=positive_int("--flce-chunk", opts["flce_chunk"]),
     )

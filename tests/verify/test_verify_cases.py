@@ -162,3 +162,13 @@ def test_python_api_raises_for_a_single_failed_case(monkeypatch):
     monkeypatch.setattr(runner, "launch", FakeLauncher(lambda case: (fields, 5)))
     with pytest.raises(MemplanError, match="the model failed to build: X"):
         memplan.verify("qwen3-0.6b", batch=1, seq=8, kernels="none")
+
+
+def test_lora_targets_default_to_the_architecture_s_projections():
+    def targets(model: str, **options) -> tuple[str, ...]:
+        (item,) = plan_cases(model, batch=1, seq=64, kernels="none", lora_rank=8, **options)
+        return item.case.setup.lora_targets
+
+    assert targets("phi-3-mini") == ("qkv_proj",)  # fused q/k/v: no q_proj or v_proj
+    assert targets("llama-3.2-1b") == ("q_proj", "v_proj")
+    assert targets("llama-3.2-1b", lora_targets=("o_proj",)) == ("o_proj",)
