@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from memplan.catalog import (
@@ -202,6 +204,146 @@ def test_malformed_config_file_is_one_clear_error(tmp_path, content, message):
     assert message in _one_line(error)
 
 
+TINY_LLAMA = {
+    "model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "max_position_embeddings": 512,
+}  # fmt: skip
+POSITIVE_INT = "a positive integer"
+BOOLEAN = "true or false (a JSON boolean, not a string or number)"
+NUMBER = "a positive number or null"
+STRING = "a non-empty string"
+LIST = "a list or null"
+WINDOWED = {"sliding_window": 64}
+QWEN2_WINDOWED = {"model_type": "qwen2", "use_sliding_window": True, **WINDOWED}
+LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"'
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "must_be", "got"),
+    [
+        ({"model_type": ["llama"]}, "model_type", STRING, '["llama"]'),
+        ({"model_type": ""}, "model_type", STRING, '""'),
+        ({"vocab_size": "1000"}, "vocab_size", POSITIVE_INT, '"1000"'),
+        ({"intermediate_size": 0}, "intermediate_size", POSITIVE_INT, "0"),
+        ({"max_position_embeddings": 512.0}, "max_position_embeddings", POSITIVE_INT, "512.0"),
+        ({"num_hidden_layers": True}, "num_hidden_layers", POSITIVE_INT, "true"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads", POSITIVE_INT, "0"),
+        ({"num_key_value_heads": -2}, "num_key_value_heads", POSITIVE_INT, "-2"),
+        ({"head_dim": 16.0}, "head_dim", POSITIVE_INT, "16.0"),
+        ({"final_logit_softcapping": "abc"}, "final_logit_softcapping", NUMBER, '"abc"'),
+        ({"attn_logit_softcapping": "abc"}, "attn_logit_softcapping", NUMBER, '"abc"'),
+        ({"final_logit_softcapping": 0}, "final_logit_softcapping", NUMBER, "0"),
+        ({"attn_logit_softcapping": float("inf")}, "attn_logit_softcapping", NUMBER, "Infinity"),
+        ({"attn_logit_softcapping": True}, "attn_logit_softcapping", NUMBER, "true"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings", BOOLEAN, '"false"'),
+        ({"tie_word_embeddings": 0}, "tie_word_embeddings", BOOLEAN, "0"),
+        ({"mlp_bias": "no"}, "mlp_bias", BOOLEAN, '"no"'),
+        ({"attention_bias": "true"}, "attention_bias", BOOLEAN, '"true"'),
+        ({"hidden_act": ["silu"]}, "hidden_act", STRING, '["silu"]'),
+        ({"model_type": "gemma2", "hidden_activation": 1}, "hidden_activation", STRING, "1"),
+        ({"model_type": "gemma2", "sliding_window_pattern": 0}, "sliding_window_pattern",
+         POSITIVE_INT, "0"),
+        ({"model_type": "gemma2", "sliding_window_pattern": "2"}, "sliding_window_pattern",
+         POSITIVE_INT, '"2"'),
+        ({"model_type": "mistral", "sliding_window": 64.0}, "sliding_window", POSITIVE_INT,
+         "64.0"),
+        ({"model_type": "mistral", **WINDOWED, "layer_types": ["foo", "bar"]}, "layer_types",
+         LAYER_TYPES, '["foo", "bar"]'),
+        ({"model_type": "mistral", **WINDOWED, "layer_types": ["sliding_attention"]},
+         "layer_types", LAYER_TYPES, '["sliding_attention"]'),
+        ({"model_type": "mistral", **WINDOWED, "layer_types": "sliding_attention"},
+         "layer_types", LIST, '"sliding_attention"'),
+        ({"model_type": "qwen2", "use_sliding_window": "false", **WINDOWED},
+         "use_sliding_window", BOOLEAN, '"false"'),
+        ({**QWEN2_WINDOWED, "max_window_layers": "1"}, "max_window_layers", "an integer >= 0",
+         '"1"'),
+        ({**QWEN2_WINDOWED, "max_window_layers": -1}, "max_window_layers", "an integer >= 0",
+         "-1"),
+        ({"model_type": "mixtral", "num_local_experts": 0}, "num_local_experts", POSITIVE_INT,
+         "0"),
+        ({"model_type": "mixtral", "num_experts": "8"}, "num_experts", POSITIVE_INT, '"8"'),
+        ({"model_type": "qwen3_moe", "decoder_sparse_step": "1"}, "decoder_sparse_step",
+         POSITIVE_INT, '"1"'),
+        ({"model_type": "qwen3_moe", "mlp_only_layers": "0"}, "mlp_only_layers", LIST, '"0"'),
+        ({"model_type": "qwen3_moe", "moe_intermediate_size": -1}, "moe_intermediate_size",
+         POSITIVE_INT, "-1"),
+        ({"model_type": "gemma3", "text_config": {"model_type": "llama"}},
+         "text_config.model_type", '"gemma3_text"', '"llama"'),
+    ],
+)  # fmt: skip
+def test_bad_config_value_is_one_error_naming_the_key(overrides, key, must_be, got):
+    with pytest.raises(MemplanError) as error:
+        spec_from_config({**TINY_LLAMA, **overrides})
+    assert type(error.value) is MemplanError
+    assert _one_line(error) == f"config key {key!r} must be {must_be}, got {got}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_attention_heads": 128, "num_key_value_heads": 128},
+         "hidden_size (64) is smaller than num_attention_heads (128) and no head_dim is given"),
+        ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 8},
+         "num_experts_per_tok (8) is more than the number of experts (2)"),
+    ],
+)  # fmt: skip
+def test_inconsistent_config_values_are_one_error(overrides, message):
+    with pytest.raises(MemplanError) as error:
+        spec_from_config({**TINY_LLAMA, **overrides})
+    assert _one_line(error) == message
+
+
+def test_a_long_bad_value_is_cut_short():
+    with pytest.raises(MemplanError) as error:
+        spec_from_config({**TINY_LLAMA, "vocab_size": "x" * 1000})
+    assert len(_one_line(error)) < 140
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"tie_word_embeddings": False}, {"tie_word_embeddings": False}),
+        ({"tie_word_embeddings": None}, {"tie_word_embeddings": False}),
+        ({"mlp_bias": True}, {"mlp_bias": True}),
+        ({"num_key_value_heads": None, "head_dim": None},
+         {"num_key_value_heads": 4, "head_dim": 16}),
+        ({"final_logit_softcapping": 30}, {"final_logit_softcapping": 30.0}),
+        ({"model_type": "gemma2", **WINDOWED, "sliding_window_pattern": None},
+         {"layer_types": ("sliding_attention", "full_attention")}),
+        ({**QWEN2_WINDOWED, "max_window_layers": 0},
+         {"layer_types": ("sliding_attention", "sliding_attention")}),
+        ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": "unread"},
+         {"sliding_window": None}),
+        ({"model_type": "qwen3_moe", "num_local_experts": 16, "mlp_only_layers": None},
+         {"num_experts": 16}),
+    ],
+)  # fmt: skip
+def test_valid_edge_values_are_read_as_transformers_reads_them(overrides, expected):
+    spec = spec_from_config({**TINY_LLAMA, **overrides})
+    assert {key: getattr(spec, key) for key in expected} == expected
+
+
+def test_a_spec_pydantic_refuses_is_one_memplan_error():
+    with pytest.raises(MemplanError) as error:
+        spec_from_config(TINY_LLAMA, name=123)
+    assert _one_line(error).startswith("the model config gives an invalid name (")
+
+
+def test_bad_config_value_is_one_error_line_through_the_cli(tmp_path):
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps({**TINY_LLAMA, "tie_word_embeddings": "false"}))
+    run = subprocess.run(
+        [sys.executable, "-m", "memplan", "advise", "--model", str(file), "--batch", "1"]
+        + ["--seq", "64"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.splitlines() == [
+        f"Error: config key 'tie_word_embeddings' must be {BOOLEAN}, got \"false\""
+    ]
+
+
 def test_missing_config_is_one_clear_error(tmp_path):
     with pytest.raises(MemplanError) as error:
         resolve_model(str(tmp_path))
@@ -259,41 +401,153 @@ def test_multimodal_gemma3_config_resolves_to_its_text_config(tmp_path):
 # ----------------------------------------------------------------------------- hub ids
 
 
-def test_hub_id_goes_through_autoconfig(monkeypatch):
+def _fake_autoconfig(monkeypatch, *, cached: bool, on_hub: bool):
+    """AutoConfig.from_pretrained and the hub's HEAD request, recording their calls."""
+    import huggingface_hub
     import transformers
 
     calls = []
 
-    def from_pretrained(name, trust_remote_code=False):
-        calls.append((name, trust_remote_code))
+    def from_pretrained(name, trust_remote_code=False, local_files_only=False):
+        calls.append((name, trust_remote_code, local_files_only))
+        if local_files_only and not cached:
+            raise OSError(f"{name} is not in the cache")
         return transformers.AutoConfig.for_model(
             "qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000,
         )  # fmt: skip
 
+    def get_hf_file_metadata(url, timeout=None):
+        calls.append(("HEAD", url))
+        if not on_hub:
+            raise httpx.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", get_hf_file_metadata)
+    return calls
+
+
+def test_hub_id_is_read_from_the_cache_first(monkeypatch):
+    calls = _fake_autoconfig(monkeypatch, cached=True, on_hub=False)
     spec = resolve_model("some-org/brand-new-model", trust_remote_code=True)
-    assert calls == [("some-org/brand-new-model", True)]
+    assert calls == [("some-org/brand-new-model", True, True)]
     assert spec.name == "some-org/brand-new-model"
     assert (spec.model_type, spec.hidden_size, spec.head_dim, spec.qk_norm) == (
         "qwen3", 256, 64, True
     )  # fmt: skip
-    resolve_model("some-org/other-model")
-    assert calls[-1] == ("some-org/other-model", False)
 
 
-def test_unreachable_hub_id_is_unknown_model(monkeypatch):
+def test_hub_id_not_cached_is_fetched_after_one_request(monkeypatch):
+    calls = _fake_autoconfig(monkeypatch, cached=False, on_hub=True)
+    spec = resolve_model("some-org/other-model")
+    assert calls == [
+        ("some-org/other-model", False, True),
+        ("HEAD", "https://huggingface.co/some-org/other-model/resolve/main/config.json"),
+        ("some-org/other-model", False, False),
+    ]
+    assert spec.model_type == "qwen3"
+
+
+def test_unreachable_hub_id_fails_after_one_request(monkeypatch):
+    calls = _fake_autoconfig(monkeypatch, cached=False, on_hub=False)
+    with pytest.raises(MemplanError) as error:
+        resolve_model("some-org/brand-new-model")
+    assert [call[0] for call in calls] == ["some-org/brand-new-model", "HEAD"]
+    assert _one_line(error) == (
+        "unknown model 'some-org/brand-new-model': not a catalog name, not a local path, and "
+        "not reachable on the Hugging Face hub (the hub cannot be reached); run `memplan models` "
+        "for the catalog names"
+    )
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_mode_makes_no_request(monkeypatch, variable):
+    calls = _fake_autoconfig(monkeypatch, cached=False, on_hub=True)
+    monkeypatch.setenv(variable, "1")
+    with pytest.raises(MemplanError) as error:
+        resolve_model("some-org/brand-new-model")
+    assert [call[0] for call in calls] == ["some-org/brand-new-model"]
+    assert "(offline mode is on, and it is not cached)" in _one_line(error)
+
+
+def test_hub_config_that_cannot_be_read_says_why(monkeypatch):
     import transformers
 
-    def from_pretrained(name, trust_remote_code=False):
-        raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your connection.")
+    calls = _fake_autoconfig(monkeypatch, cached=False, on_hub=True)
+
+    def from_pretrained(name, trust_remote_code=False, local_files_only=False):
+        calls.append((name, trust_remote_code, local_files_only))
+        raise ValueError("The repository {x} contains custom code.\nPass trust_remote_code=True.")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
     with pytest.raises(MemplanError) as error:
-        resolve_model("some-org/brand-new-model")
-    message = _one_line(error)
-    assert "unknown model" in message and "couldn't connect" in message
-    assert "memplan models" in message
+        resolve_model("org/custom")
+    assert len(calls) == 3
+    assert _one_line(error) == (
+        "the hub's config of 'org/custom' cannot be read (The repository {x} contains custom code.)"
+    )
+
+
+def test_invalid_hub_id_makes_no_request(monkeypatch):
+    calls = _fake_autoconfig(monkeypatch, cached=False, on_hub=True)
+    with pytest.raises(MemplanError) as error:
+        resolve_model("org/{bad}")
+    assert [call[0] for call in calls] == ["org/{bad}"]
+    assert "unknown model 'org/{bad}'" in _one_line(error)
+    assert "(not a valid repository id)" in _one_line(error)
+
+
+def _http_error(kind, status):
+    import huggingface_hub.errors
+
+    request = httpx.Request("HEAD", "https://huggingface.co/a/b/resolve/main/config.json")
+    error_type = getattr(huggingface_hub.errors, kind)
+    return error_type(kind, response=httpx.Response(status, request=request))
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "reason"),
+    [
+        ("RepositoryNotFoundError", 404, "no such repository, or a private one"),
+        ("GatedRepoError", 403, "the repository is gated"),
+        ("RemoteEntryNotFoundError", 404, "the repository has no config.json"),
+        ("HfHubHTTPError", 503, "HfHubHTTPError"),
+    ],
+)
+def test_hub_failure_reason(monkeypatch, kind, status, reason):
+    import huggingface_hub
+
+    _fake_autoconfig(monkeypatch, cached=False, on_hub=True)
+
+    def get_hf_file_metadata(url, timeout=None):
+        raise _http_error(kind, status)
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", get_hf_file_metadata)
+    with pytest.raises(MemplanError) as error:
+        resolve_model("a/b")
+    assert f"({reason}" in _one_line(error)
+
+
+def test_unreachable_hub_id_is_one_line_through_the_cli(tmp_path):
+    # Nothing listens on port 9: the request is refused at once, with or without a network.
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path))
+    run = subprocess.run(
+        [sys.executable, "-m", "memplan", "advise", "--model", "foo/bar", "--batch", "1"]
+        + ["--seq", "1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.splitlines() == [
+        "Error: unknown model 'foo/bar': not a catalog name, not a local path, and not reachable "
+        "on the Hugging Face hub (the hub cannot be reached); run `memplan models` for the "
+        "catalog names"
+    ]
 
 
 # ----------------------------------------------------------------------------- vs transformers

@@ -8,7 +8,11 @@ real model has."""
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
+
+from pydantic import ValidationError
 
 from memplan.errors import MemplanError
 from memplan.schema import ModelSpec
@@ -183,23 +187,27 @@ _FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_FAMILIES, "gemma3")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSpec:
     """The ModelSpec of a causal LM described by a Hugging Face config.json dict.
 
-    A multimodal Gemma 3 config (model_type "gemma3") resolves to its text_config."""
+    A multimodal Gemma 3 config (model_type "gemma3") resolves to its text_config. A value of
+    the wrong type or range is one MemplanError naming its key, never a guess."""
     if not isinstance(config, dict):
         raise MemplanError(f"a model config must be a JSON object, not {type(config).__name__}")
-    model_type = config.get("model_type")
+    if config.get("model_type") is None:
+        raise MemplanError("the model config has no 'model_type' key")
+    model_type = _string(config, "model_type")
     if model_type == "gemma3":
         text_config = config.get("text_config")
         if not isinstance(text_config, dict):
             raise MemplanError("this gemma3 config has no text_config object to read")
-        config = {"model_type": "gemma3_text", **text_config}
+        if text_config.get("model_type", "gemma3_text") != "gemma3_text":
+            raise _bad_value("text_config.model_type", text_config["model_type"], '"gemma3_text"')
+        config = {**text_config, "model_type": "gemma3_text"}
         model_type = "gemma3_text"
-    if model_type is None:
-        raise MemplanError("the model config has no 'model_type' key")
     family = _FAMILIES.get(model_type)
     if family is None:
         raise MemplanError(
@@ -214,10 +222,13 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     hidden = _positive_int(cfg, "hidden_size")
     heads = _positive_int(cfg, "num_attention_heads")
     layers = _positive_int(cfg, "num_hidden_layers")
-    kv_heads = (
-        _positive_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") else heads
-    )
-    head_dim = _positive_int(cfg, "head_dim") if cfg.get("head_dim") else hidden // heads
+    kv_heads = _optional_positive_int(cfg, "num_key_value_heads") or heads
+    head_dim = _optional_positive_int(cfg, "head_dim") or hidden // heads
+    if head_dim == 0:
+        raise MemplanError(
+            f"hidden_size ({hidden}) is smaller than num_attention_heads ({heads}) and no "
+            "head_dim is given"
+        )
     if heads % kv_heads:
         raise MemplanError(
             f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
@@ -227,36 +238,48 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     sliding_window, layer_types = _attention_windows(family, cfg, layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(family, cfg, config)
 
-    return ModelSpec(
-        name=name,
-        model_type=model_type,
-        vocab_size=_positive_int(cfg, "vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=_positive_int(cfg, "intermediate_size"),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=_positive_int(cfg, "max_position_embeddings"),
-        tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
-        hidden_act=_activation(model_type, family, cfg),
-        norm="rms",
-        attention_bias=attention_bias,
-        attention_out_bias=attention_out_bias,
-        mlp_bias=bool(cfg["mlp_bias"]) if model_type == "llama" else False,
-        qk_norm=family.get("qk_norm", False),
-        sandwich_norm=family.get("sandwich_norm", False),
-        fused_qkv=family.get("fused", False),
-        fused_gate_up=family.get("fused", False),
-        final_logit_softcapping=cfg.get("final_logit_softcapping"),
-        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
-        sliding_window=sliding_window,
-        layer_types=layer_types,
-        num_experts=num_experts,
-        num_experts_per_tok=experts_per_tok,
-        moe_intermediate_size=moe_intermediate,
-        hf_config=dict(config),
-    )
+    fields = {
+        "name": name,
+        "model_type": model_type,
+        "vocab_size": _positive_int(cfg, "vocab_size"),
+        "hidden_size": hidden,
+        "intermediate_size": _positive_int(cfg, "intermediate_size"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": _positive_int(cfg, "max_position_embeddings"),
+        "tie_word_embeddings": _boolean(cfg, "tie_word_embeddings"),
+        # The original Gemma releases say "gelu", which transformers builds as exact (erf) GELU:
+        # kept as given (geglu with approximate="none"; the patch checks the module's act_fn).
+        "hidden_act": _string(cfg, family.get("act_key", "hidden_act")),
+        "norm": "rms",
+        "attention_bias": attention_bias,
+        "attention_out_bias": attention_out_bias,
+        "mlp_bias": _boolean(cfg, "mlp_bias") if model_type == "llama" else False,
+        "qk_norm": family.get("qk_norm", False),
+        "sandwich_norm": family.get("sandwich_norm", False),
+        "fused_qkv": family.get("fused", False),
+        "fused_gate_up": family.get("fused", False),
+        "final_logit_softcapping": _optional_positive_float(cfg, "final_logit_softcapping"),
+        "attn_logit_softcapping": _optional_positive_float(cfg, "attn_logit_softcapping"),
+        "sliding_window": sliding_window,
+        "layer_types": layer_types,
+        "num_experts": num_experts,
+        "num_experts_per_tok": experts_per_tok,
+        "moe_intermediate_size": moe_intermediate,
+        "hf_config": dict(config),
+    }
+    try:
+        return ModelSpec(**fields)
+    except ValidationError as e:
+        # A safety net: the readers above check every field ModelSpec's types would refuse.
+        first = e.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        raise MemplanError(
+            f"the model config gives an invalid {field} ({first['msg']}, got "
+            f"{_show(first.get('input'))})"
+        ) from e
 
 
 _NULL_MEANS_DEFAULT = frozenset(
@@ -283,20 +306,80 @@ _NULL_MEANS_DEFAULT = frozenset(
 )
 
 
+# ----------------------------------------------------------------------------- typed readers
+# Every value read from a config goes through one of these: a wrong type or range is one
+# MemplanError naming the key and the value, as config.json spells it.
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bad_value(key: str, value: Any, expected: str) -> MemplanError:
+    return MemplanError(f"config key {key!r} must be {expected}, got {_show(value)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive_int(cfg: dict[str, Any], key: str) -> int:
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise MemplanError(f"config key {key!r} must be a positive integer, got {value!r}")
+    if not _is_int(value) or value <= 0:
+        raise _bad_value(key, value, "a positive integer")
     return value
 
 
-def _activation(model_type: str, family: dict[str, Any], cfg: dict[str, Any]) -> str:
-    act = cfg.get(family.get("act_key", "hidden_act"))
-    # The original Gemma releases say "gelu", which transformers 5.17 builds as exact (erf)
-    # GELU: kept as given (geglu with approximate="none"; the patch checks the module's act_fn).
-    if not isinstance(act, str):
-        raise MemplanError(f"the model config's activation must be a string, got {act!r}")
-    return act
+def _optional_positive_int(cfg: dict[str, Any], key: str) -> int | None:
+    """None when the key is absent or null (the caller derives the value)."""
+    return None if cfg.get(key) is None else _positive_int(cfg, key)
+
+
+def _non_negative_int(cfg: dict[str, Any], key: str) -> int:
+    value = cfg.get(key)
+    if not _is_int(value) or value < 0:
+        raise _bad_value(key, value, "an integer >= 0")
+    return value
+
+
+def _optional_positive_float(cfg: dict[str, Any], key: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if not (_is_int(value) or isinstance(value, float)) or not 0 < value < math.inf:
+        raise _bad_value(key, value, "a positive number or null")
+    return float(value)
+
+
+def _boolean(cfg: dict[str, Any], key: str) -> bool:
+    value = cfg.get(key)
+    if not isinstance(value, bool):
+        raise _bad_value(key, value, "true or false (a JSON boolean, not a string or number)")
+    return value
+
+
+def _string(cfg: dict[str, Any], key: str) -> str:
+    value = cfg.get(key)
+    if not isinstance(value, str) or not value:
+        raise _bad_value(key, value, "a non-empty string")
+    return value
+
+
+def _optional_list(cfg: dict[str, Any], key: str) -> list[Any]:
+    """An empty list when the key is absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _bad_value(key, value, "a list or null")
+    return value
+
+
+# ----------------------------------------------------------------------------- family rules
 
 
 def _attention_biases(family: dict[str, Any], cfg: dict[str, Any]) -> tuple[bool, bool]:
@@ -305,7 +388,7 @@ def _attention_biases(family: dict[str, Any], cfg: dict[str, Any]) -> tuple[bool
         return False, False
     if rule == "qkv":
         return True, False
-    bias = bool(cfg["attention_bias"])
+    bias = _boolean(cfg, "attention_bias")
     return bias, bias
 
 
@@ -313,31 +396,33 @@ def _attention_windows(
     family: dict[str, Any], cfg: dict[str, Any], layers: int
 ) -> tuple[int | None, tuple[str, ...] | None]:
     """The sliding window and, when any layer uses it, every layer's attention type."""
-    window = cfg.get("sliding_window")
     rule = family.get("windowed_layers", "all")
-    if rule in ("from_max_window_layers", "all_if_enabled") and not cfg["use_sliding_window"]:
-        window = None
+    if rule in ("from_max_window_layers", "all_if_enabled") and not _boolean(
+        cfg, "use_sliding_window"
+    ):
+        return None, None
+    window = _optional_positive_int(cfg, "sliding_window")
     if window is None:
         return None, None
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        raise MemplanError(
-            f"config key 'sliding_window' must be a positive integer, got {window!r}"
-        )
 
-    explicit = cfg.get("layer_types")
-    if explicit is not None:
-        if not isinstance(explicit, list) or len(explicit) != layers:
-            raise MemplanError(
-                f"config key 'layer_types' must list one type for each of {layers} layers"
+    if cfg.get("layer_types") is not None:
+        types = tuple(_optional_list(cfg, "layer_types"))
+        if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
+            raise _bad_value(
+                "layer_types",
+                cfg["layer_types"],
+                f'a list of {layers} entries, each "full_attention" or "sliding_attention"',
             )
-        types = tuple(str(t) for t in explicit)
     elif rule == "pattern":
-        pattern = cfg.get("sliding_window_pattern", family["sliding_window_pattern"])
+        pattern = (
+            _optional_positive_int(cfg, "sliding_window_pattern")
+            or family["sliding_window_pattern"]
+        )
         types = tuple(
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
         )
     elif rule == "from_max_window_layers":
-        first = cfg["max_window_layers"]
+        first = _non_negative_int(cfg, "max_window_layers")
         types = tuple(
             "sliding_attention" if i >= first else "full_attention" for i in range(layers)
         )
@@ -360,13 +445,16 @@ def _experts(
         if kind == "mixtral"
         else ("num_experts", "num_local_experts")
     )
-    experts = config.get(native) or config.get(alias) or cfg[native]
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts <= 0:
-        raise MemplanError(f"the number of experts must be a positive integer, got {experts!r}")
+    given_as_alias = config.get(native) is None and config.get(alias) is not None
+    experts = _positive_int(cfg, alias if given_as_alias else native)
     per_tok = _positive_int(cfg, "num_experts_per_tok")
+    if per_tok > experts:
+        raise MemplanError(
+            f"num_experts_per_tok ({per_tok}) is more than the number of experts ({experts})"
+        )
     if kind == "mixtral":
         return experts, per_tok, _positive_int(cfg, "intermediate_size")
-    if cfg.get("mlp_only_layers") or cfg["decoder_sparse_step"] != 1:
+    if _optional_list(cfg, "mlp_only_layers") or _positive_int(cfg, "decoder_sparse_step") != 1:
         raise MemplanError(
             "qwen3_moe configs with dense layers (mlp_only_layers or decoder_sparse_step > 1) "
             "are not supported; every layer must be a mixture of experts"

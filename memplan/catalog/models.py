@@ -8,8 +8,12 @@ replaced by the catalog entry. transformers is imported only in the hub branch."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,17 +126,98 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def _from_hub(hub_id: str, *, trust_remote_code: bool) -> ModelSpec:
+    """The config of a hub id: the local cache first, then one request to the hub, no retries.
+
+    huggingface_hub retries a failed connection five times with backoff (about 25 s) and logs
+    each try; a name that is not a repository should fail at once with one line instead."""
     try:
+        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
         from transformers import AutoConfig
     except ImportError as e:
         raise MemplanError(f"resolving the hub id {hub_id!r} needs transformers") from e
-    try:
-        config = AutoConfig.from_pretrained(hub_id, trust_remote_code=trust_remote_code)
-    # The hub raises OSError, ValueError, HTTP and offline errors; any of them means "not found".
-    except Exception as e:  # noqa: BLE001
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MemplanError(
-            f"unknown model {hub_id!r}: not in the catalog and the hub could not resolve it "
-            f"({reason}) (run `memplan models` for the catalog)"
-        ) from e
+
+    def load(local_files_only: bool) -> Any:
+        return AutoConfig.from_pretrained(
+            hub_id, trust_remote_code=trust_remote_code, local_files_only=local_files_only
+        )
+
+    with _quiet_hub_loggers():
+        try:
+            config = load(local_files_only=True)
+        # Not in the cache: transformers raises OSError or ValueError, depending on the version.
+        except Exception:  # noqa: BLE001
+            config = None
+        if config is None:
+            if constants.HF_HUB_OFFLINE or _env_true("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+                raise _unknown_hub_id(hub_id, "offline mode is on, and it is not cached")
+            try:
+                get_hf_file_metadata(
+                    hf_hub_url(hub_id, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT
+                )
+            # Network, HTTP and repository errors alike mean "not reachable"; the reason says
+            # which.
+            except Exception as e:  # noqa: BLE001
+                raise _unknown_hub_id(hub_id, _hub_failure(e)) from e
+            try:
+                config = load(local_files_only=False)
+            except Exception as e:  # noqa: BLE001
+                raise MemplanError(
+                    f"the hub's config of {hub_id!r} cannot be read ({_first_line(e)})"
+                ) from e
     return spec_from_config(config.to_dict(), name=hub_id)
+
+
+def _unknown_hub_id(hub_id: str, reason: str) -> MemplanError:
+    return MemplanError(
+        f"unknown model {hub_id!r}: not a catalog name, not a local path, and not reachable on "
+        f"the Hugging Face hub ({reason}); run `memplan models` for the catalog names"
+    )
+
+
+def _env_true(*names: str) -> bool:
+    return any(os.environ.get(n, "").strip().upper() in ("1", "ON", "YES", "TRUE") for n in names)
+
+
+def _hub_failure(error: Exception) -> str:
+    """A few words on why the hub did not give a config."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        RepositoryNotFoundError,
+    )
+
+    if isinstance(error, HFValidationError):
+        return "not a valid repository id"
+
+    if isinstance(error, GatedRepoError):
+        return "the repository is gated: accept its license and log in with `hf auth login`"
+    if isinstance(error, RepositoryNotFoundError):
+        return "no such repository, or a private one"
+    if isinstance(error, EntryNotFoundError):
+        return "the repository has no config.json"
+    if type(error).__module__.startswith(("httpx", "requests", "urllib3")) or isinstance(
+        error, ConnectionError | TimeoutError
+    ):
+        return "the hub cannot be reached"
+    return _first_line(error)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    return first if len(first) <= 120 else first[:117] + "..."
+
+
+@contextlib.contextmanager
+def _quiet_hub_loggers() -> Iterator[None]:
+    """Silence huggingface_hub's and transformers' warnings: the caller reports in one line."""
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "transformers")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
