@@ -101,6 +101,18 @@ class TrainSetup(BaseModel):
     flce_memory_budget: int | None = Field(default=None, gt=0)
 
 
+# The TrainSetup fields that describe how the step is run, beside batch, seq and the kernels.
+SETUP_OPTIONS = (
+    "precision",
+    "optimizer",
+    "grad_checkpointing",
+    "attn",
+    "lora_rank",
+    "lora_targets",
+    "grad_accum",
+)
+
+
 class Gpu(BaseModel):
     model_config = ConfigDict(frozen=True)
 

@@ -24,7 +24,13 @@ from torch import nn
 from memplan.errors import MemplanError, UsageError
 from memplan.patching import forwards
 from memplan.patching.specs import SPECS, SUPPORTED_MODEL_TYPES, PatchSpec
-from memplan.schema import GELU_APPROXIMATION, GLU_KERNEL_BY_ACTIVATION, KERNEL_NAMES, Plan
+from memplan.schema import (
+    GELU_APPROXIMATION,
+    GLU_KERNEL_BY_ACTIVATION,
+    KERNEL_NAMES,
+    SETUP_OPTIONS,
+    Plan,
+)
 
 _STATE_ATTR = "_memplan_patch_state"
 
@@ -367,18 +373,6 @@ def _resolve_plan(
     options = {"gpu": gpu, **_setup_of(model, hf_model), **setup}
     options = {k: v for k, v in options.items() if v is not None}
     return advise(model_spec, batch=batch, seq=seq, **options).plan
-
-
-# The advisor's options that describe the training setup (memplan.advisor.advise).
-SETUP_OPTIONS = (
-    "precision",
-    "optimizer",
-    "grad_checkpointing",
-    "attn",
-    "lora_rank",
-    "lora_targets",
-    "grad_accum",
-)
 
 
 def _setup_of(model: nn.Module, hf_model: nn.Module) -> dict[str, Any]:

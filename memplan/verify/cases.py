@@ -15,20 +15,12 @@ from pydantic import ValidationError
 from memplan.errors import UsageError
 from memplan.estimators.params import default_lora_targets
 from memplan.schema import KERNEL_NAMES, Advice, Gpu, ModelSpec, Plan, TrainSetup, VerifyCase
+from memplan.schema import SETUP_OPTIONS as TRAIN_SETUP_OPTIONS
 from memplan.verify.predict import spec_from_hf_config, with_layers
 from memplan.verify.protocol import case_name
 
 # Options of TrainSetup that verify passes through unchanged (batch, seq and kernels apart).
-SETUP_OPTIONS = (
-    "precision",
-    "optimizer",
-    "grad_checkpointing",
-    "attn",
-    "lora_rank",
-    "lora_targets",
-    "grad_accum",
-    "flce_chunk",
-)
+SETUP_OPTIONS = (*TRAIN_SETUP_OPTIONS, "flce_chunk")
 
 KernelChoice = str | tuple[str, ...]  # "auto", "all", or the kernels by name (() for none)
 

@@ -135,8 +135,8 @@ def test_trainer_callback_keeps_the_trainers_autocast(tmp_path):
 
 def test_trainer_setup_reads_what_the_model_does_not_show(tmp_path):
     from memplan.advisor import advise
-    from memplan.patching.engine import SETUP_OPTIONS
     from memplan.patching.trainer import trainer_setup
+    from memplan.schema import SETUP_OPTIONS
 
     assert set(SETUP_OPTIONS) <= set(inspect.signature(advise).parameters)
     args = _training_args(tmp_path, bf16=True, gradient_checkpointing=True, optim="adafactor")
