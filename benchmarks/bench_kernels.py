@@ -176,7 +176,7 @@ def rms_norm_cases(rows: int, hidden: int) -> dict[str, Callable[[], Case]]:
             if kind == "liger":
                 m = LigerRMSNorm(hidden, eps=1e-6)
             elif kind == "memplan":
-                m = mp_rms_norm.RMSNorm(hidden, eps=1e-6)
+                m = mp_rms_norm.RMSNorm(hidden, eps=1e-6, in_place_backward=True)  # as apply
             else:
                 m = LlamaRMSNorm(hidden, eps=1e-6)
             m = m.to("cuda", DTYPE)

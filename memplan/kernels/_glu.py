@@ -28,8 +28,10 @@ from memplan.errors import UsageError
 from memplan.kernels._utils import (
     as_rows,
     cdiv,
+    check_floating,
     elementwise_launch_config,
     load_fp32,
+    memory_overlaps,
     on_device,
     use_custom_op,
 )
@@ -179,8 +181,9 @@ class GluOp:
             gate, up = ctx.saved_tensors
             if use_custom_op(dout):
                 dgate, dup = custom_backward(dout, gate, up)
-            elif ctx.in_place_backward and gate.is_contiguous() and up.is_contiguous():
+            elif _in_place_allowed(ctx, gate, up):
                 backward(dout, gate, up, dgate=gate, dup=up)
+                _mark_overwritten(gate, up)
                 dgate, dup = gate.view(gate.shape), up.view(up.shape)
             else:
                 dgate, dup = backward(dout, gate, up)
@@ -219,8 +222,9 @@ class GluOp:
                 if ctx.needs_input_grad[3]:
                     d_bias = d_rows.sum(0)
                 buffer = torch.matmul(d_out, weight)  # d_product, then the product over it
-                if ctx.in_place_backward and gate.is_contiguous() and up.is_contiguous():
+                if _in_place_allowed(ctx, gate, up):
                     backward(buffer, gate, up, dgate=gate, dup=up, product=buffer)
+                    _mark_overwritten(gate, up)
                     d_gate, d_up = gate.view(gate.shape), up.view(up.shape)
                 else:
                     d_gate, d_up = backward(buffer, gate, up, product=buffer)
@@ -238,6 +242,7 @@ class GluOp:
         in_place_backward: bool = False,
         down: torch.nn.Module | None = None,
     ) -> torch.Tensor:
+        check_floating(self.name, gate, up)
         if gate.shape != up.shape or gate.dtype != up.dtype:
             raise UsageError(
                 f"{self.name} needs gate and up of one shape and dtype, got "
@@ -250,6 +255,26 @@ class GluOp:
         else:
             product = self._function.apply(gate, up, in_place_backward)
         return product if down is None else down(product)
+
+
+def _in_place_allowed(ctx, gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """The gradients may go over the saved gate and up: the caller allowed it, both gradients
+    are wanted, and gate and up are contiguous and do not share elements (swiglu(y, y))."""
+    return (
+        ctx.in_place_backward
+        and ctx.needs_input_grad[0]
+        and ctx.needs_input_grad[1]
+        and gate.is_contiguous()
+        and up.is_contiguous()
+        and not memory_overlaps(gate, up)
+    )
+
+
+def _mark_overwritten(*tensors: torch.Tensor) -> None:
+    """Bump the version counters of tensors a kernel wrote: a second backward through the same
+    graph (retain_graph) then raises instead of reading gradients as saved inputs."""
+    for t in tensors:
+        torch.autograd.graph.increment_version(t)
 
 
 def recompute_product(down: torch.nn.Module, gate: torch.Tensor) -> bool:

@@ -104,6 +104,31 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def check_floating(op: str, *tensors: torch.Tensor) -> None:
+    """UsageError unless every tensor is floating point (the kernels compute in fp32 and would
+    return zeros for integers, where torch raises)."""
+    for t in tensors:
+        if not t.is_floating_point():
+            raise UsageError(f"{op} needs floating-point tensors, got {t.dtype}.")
+
+
+def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the element spans of a and b in memory can intersect (same storage, crossing
+    byte ranges): an in-place write into one must then not be read through the other."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.storage_offset()
+        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return start * t.element_size(), (start + extent + 1) * t.element_size()
+
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make t's CUDA device current for a launch: Triton launches on the current device."""
     if t.is_cuda and t.device.index != torch.cuda.current_device():

@@ -503,7 +503,7 @@ def fused_linear_cross_entropy(
             f"{tuple(target.shape)}, {None if bias is None else tuple(bias.shape)}"
         )
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    if not hidden.is_meta and torch.is_autocast_enabled(device_type):
         amp_dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(amp_dtype), weight.to(amp_dtype)
         bias = bias.to(amp_dtype) if bias is not None else None

@@ -20,6 +20,7 @@ from memplan.kernels._partials import new_partials, partial_layout, store_partia
 from memplan.kernels._utils import (
     as_rows,
     cdiv,
+    check_floating,
     norm_backward_config,
     norm_forward_config,
     on_device,
@@ -319,6 +320,11 @@ def layer_norm(
             f"LayerNorm weight/bias of shape {tuple(weight.shape)} do not match hidden size "
             f"{x.shape[-1]}."
         )
+    check_floating("layer_norm", x, weight)
+    # The kernels read weight and bias with unit stride; autograd sends their gradients back
+    # through the copies.
+    weight = weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     if use_custom_op(x):
         return torch.ops.memplan.layer_norm(x, weight, bias, float(eps))[0]
     return _LayerNormFunction.apply(x, weight, bias, float(eps))

@@ -24,6 +24,7 @@ from memplan.kernels._partials import new_partials, partial_layout, store_partia
 from memplan.kernels._utils import (
     as_rows,
     cdiv,
+    check_floating,
     load_fp32,
     norm_backward_config,
     norm_forward_config,
@@ -317,7 +318,14 @@ def _backward(ctx, dy, *_unused):
     the eager autograd.Function (the launchers directly)."""
     x, weight, rstd = ctx.saved_tensors
     compute_dw = ctx.needs_input_grad[1]
-    in_place = ctx.in_place_backward and dy.dtype == x.dtype and dy.is_contiguous()
+    # dx over dy: only where the caller allowed it (dy must be read by nothing else, e.g. not
+    # shared with a residual branch) and dx is wanted at all.
+    in_place = (
+        ctx.in_place_backward
+        and ctx.needs_input_grad[0]
+        and dy.dtype == x.dtype
+        and dy.is_contiguous()
+    )
     args = (x, weight, rstd, ctx.offset, ctx.gemma, compute_dw)
     if not use_custom_op(dy):
         dx, dw = rms_norm_backward(dy, *args, dx=dy if in_place else None)
@@ -359,7 +367,7 @@ def rms_norm(
     *,
     offset: float = 0.0,
     casting: str = "llama",
-    in_place_backward: bool = True,
+    in_place_backward: bool = False,
 ) -> torch.Tensor:
     """Fused RMSNorm over the last dim of x (any leading shape). See the module docstring."""
     if casting not in CASTING_MODES:
@@ -369,6 +377,9 @@ def rms_norm(
             f"RMSNorm weight of shape {tuple(weight.shape)} does not match hidden size "
             f"{x.shape[-1]}."
         )
+    check_floating("rms_norm", x, weight)
+    # The kernels read the weight with unit stride; autograd sends its gradient through the copy.
+    weight = weight.contiguous()
     args = (x, weight, float(eps), float(offset), casting == "gemma", in_place_backward)
     if use_custom_op(x):
         return torch.ops.memplan.rms_norm(*args)[0]
@@ -385,7 +396,7 @@ class RMSNorm(torch.nn.Module):
         eps: float = 1e-6,
         offset: float = 0.0,
         casting: str = "llama",
-        in_place_backward: bool = True,
+        in_place_backward: bool = False,
     ) -> None:
         super().__init__()
         if casting not in CASTING_MODES:

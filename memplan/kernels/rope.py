@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
-from memplan.kernels._utils import next_power_of_2, on_device, use_custom_op
+from memplan.kernels._utils import memory_overlaps, next_power_of_2, on_device, use_custom_op
 
 
 def reference_rope(
@@ -267,7 +267,11 @@ def _backward(ctx, dq, dk):
     else:
         # In place only into gradients that own their elements (not expanded ones, e.g. from a
         # sum's backward).
-        in_place = getattr(ctx, "in_place", False) and _distinct_elements(dq, dk)
+        in_place = (
+            getattr(ctx, "in_place", False)
+            and _distinct_elements(dq, dk)
+            and not memory_overlaps(dq, dk)
+        )
         dq, dk = _launch(dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True, in_place=in_place)
     return dq, dk, None, None, None, None
 

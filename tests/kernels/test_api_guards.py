@@ -1,0 +1,112 @@
+"""What a direct caller of the kernels' public functions can pass that the fused paths must not
+get wrong: weights that are views, gradients the caller still holds, aliased or retained
+inputs of the in-place backwards, integer tensors, meta tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memplan.errors import UsageError
+from memplan.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from memplan.kernels.layer_norm import layer_norm, reference_layer_norm
+from memplan.kernels.rms_norm import RMSNorm, reference_rms_norm, rms_norm
+from memplan.kernels.rope import reference_rope, rope
+from memplan.kernels.swiglu import reference_swiglu, swiglu
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("view", ["strided", "expanded"])
+def test_norms_read_weights_that_are_views(device, view):
+    x = torch.randn(4, 8, device=device)
+    if view == "strided":
+        weight, bias = torch.randn(16, device=device)[::2], torch.randn(24, device=device)[::3]
+    else:
+        weight, bias = (torch.tensor([1.5], device=device).expand(8),) * 2
+    assert rel(rms_norm(x, weight, 1e-6), reference_rms_norm(x, weight, 1e-6)) <= 1e-6
+    got = layer_norm(x, weight, bias, 1e-5)
+    assert rel(got, reference_layer_norm(x, weight, bias, 1e-5)) <= 1e-6
+
+
+def test_rms_norm_leaves_the_callers_gradient_alone_by_default(device):
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    weight = torch.randn(8, device=device, requires_grad=True)
+    grad = torch.randn(4, 8, device=device)
+    before = grad.clone()
+    rms_norm(x, weight, 1e-6).backward(grad)
+    assert torch.equal(grad, before)
+
+
+def test_rms_norm_on_a_residual_branch_gets_the_residual_gradient_right(device):
+    """out = h + norm(lin(h)): the add hands one gradient tensor to both branches."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).to(device)
+    norm = RMSNorm(8, eps=1e-6, offset=1.0, casting="gemma").to(device)
+    h = torch.randn(4, 8, device=device, requires_grad=True)
+    ((h + norm(lin(h))) ** 2).sum().backward()
+    h_ref = h.detach().clone().requires_grad_()
+    out_ref = h_ref + reference_rms_norm(lin(h_ref), norm.weight, 1e-6, offset=1.0, casting="gemma")
+    (out_ref**2).sum().backward()
+    assert rel(h.grad, h_ref.grad) <= 1e-5
+
+
+def test_in_place_glu_backward_with_gate_and_up_one_tensor(device):
+    y = torch.randn(6, 10, device=device)
+    leaf, ref_leaf = y.clone().requires_grad_(), y.clone().requires_grad_()
+    one = leaf * 1
+    swiglu(one, one, in_place_backward=True).sum().backward()
+    ref_one = ref_leaf * 1
+    reference_swiglu(ref_one, ref_one).sum().backward()
+    assert rel(leaf.grad, ref_leaf.grad) <= 1e-5
+
+
+def test_in_place_glu_backward_refuses_a_second_backward(device):
+    gate = torch.randn(6, 10, device=device, requires_grad=True) * 1
+    up = torch.randn(6, 10, device=device, requires_grad=True) * 1
+    out = swiglu(gate, up, in_place_backward=True).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_in_place_glu_backward_keeps_a_gate_that_needs_no_gradient(device):
+    gate = torch.randn(6, 10, device=device)
+    kept = gate.clone()
+    up = torch.randn(6, 10, device=device, requires_grad=True) * 1
+    swiglu(gate, up, in_place_backward=True).sum().backward()
+    assert torch.equal(gate, kept)
+
+
+def test_in_place_rope_backward_with_one_gradient_for_q_and_k(device):
+    batch, heads, seq, head_dim = 1, 2, 5, 8
+    q = torch.randn(batch, heads, seq, head_dim, device=device, requires_grad=True)
+    k = torch.randn(batch, heads, seq, head_dim, device=device, requires_grad=True)
+    angle = torch.randn(batch, seq, head_dim // 2, device=device).repeat(1, 1, 2)
+    cos, sin = angle.cos(), angle.sin()
+    grad = torch.randn(batch, heads, seq, head_dim, device=device)
+    out_q, out_k = rope(q * 1, k * 1, cos, sin, in_place=True)
+    torch.autograd.backward([out_q, out_k], [grad, grad])
+    q_ref, k_ref = q.detach().requires_grad_(), k.detach().requires_grad_()
+    torch.autograd.backward(list(reference_rope(q_ref, k_ref, cos, sin)), [grad, grad])
+    assert rel(q.grad, q_ref.grad) <= 1e-6 and rel(k.grad, k_ref.grad) <= 1e-6
+
+
+def test_integer_inputs_are_refused(device):
+    ints = torch.ones(4, 8, dtype=torch.int64, device=device)
+    with pytest.raises(UsageError, match="rms_norm needs floating-point tensors"):
+        rms_norm(ints, torch.ones(8, device=device), 1e-6)
+    with pytest.raises(UsageError, match="layer_norm needs floating-point tensors"):
+        layer_norm(ints, torch.ones(8, device=device), None, 1e-5)
+    with pytest.raises(UsageError, match="needs floating-point tensors"):
+        swiglu(ints, ints)
+
+
+def test_flce_on_meta_tensors():
+    hidden = torch.empty(6, 16, device="meta", requires_grad=True)
+    weight = torch.empty(50, 16, device="meta", requires_grad=True)
+    target = torch.zeros(6, dtype=torch.long, device="meta")
+    loss = fused_linear_cross_entropy(hidden, weight, target)
+    assert loss.device.type == "meta" and loss.shape == ()
