@@ -11,6 +11,14 @@ from memplan.verify.cases import PlannedCase, plan_cases
 from memplan.verify.runner import run_case
 
 
+class NoGpuError(MemplanError):
+    """No usable GPU: the run stopped there. `report` holds the cases measured before it."""
+
+    def __init__(self, message: str, report: Report) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 def execute(
     planned: Sequence[PlannedCase],
     *,
@@ -20,17 +28,21 @@ def execute(
     on_start: Callable[[int, PlannedCase], None] | None = None,
 ) -> Report:
     """Run every case, one fresh process after the other. Stops at the first case that finds no
-    usable GPU (every later case would too); out of memory and other failures are recorded."""
+    usable GPU (every later case would too) with NoGpuError, which keeps the cases measured
+    before it; out of memory and other failures are recorded."""
     measurements: list[Measurement] = []
     for i, item in enumerate(planned):
         if on_start:
             on_start(i, item)
         m = run_case(item.case, spec=item.spec, gpu=item.gpu, profile=profile, timeout_s=timeout_s)
-        measurements.append(m)
         if on_result:
             on_result(i, m)
         if m.error_kind == "no_gpu":
-            raise MemplanError(m.error or "no usable CUDA GPU")
+            message = m.error or "no usable CUDA GPU"
+            if measurements:
+                message += f"; stopped at case {i + 1} of {len(planned)}"
+            raise NoGpuError(message, Report(measurements=measurements))
+        measurements.append(m)
     return Report(measurements=measurements)
 
 
@@ -62,8 +74,9 @@ def verify(
     lora_rank, lora_targets, grad_accum, flce_chunk); `kernels` is "auto" (the advisor's choice),
     "all", "none" or names; a `plan` (Plan or Advice) overrides kernels, chunk, micro-batch and
     checkpointing. `sweeps` maps an option to its values ({"batch": [1, 2, 4]}).
-    Raises MemplanError when there is no usable GPU, or when a single case fails to run; out of
-    memory is a result (status "oom"), not an exception."""
+    Raises MemplanError when a single case fails to run, NoGpuError (a MemplanError whose
+    `report` keeps the cases measured before) when there is no usable GPU; out of memory is a
+    result (status "oom"), not an exception."""
     planned = plan_cases(
         model,
         batch=batch,

@@ -104,6 +104,19 @@ def parse_sweeps(items: Sequence[str]) -> dict[str, list[Any]]:
     return sweeps
 
 
+def check_sweeps(sweeps: Mapping[str, Sequence[Any]] | None) -> dict[str, list[Any]]:
+    """`sweeps` as plan_cases takes them from Python: sweepable keys only, each with a non-empty
+    list of values; kernel values parsed as in `--sweep kernels=...` ("rms_norm+swiglu")."""
+    checked: dict[str, list[Any]] = {}
+    for key, values in (sweeps or {}).items():
+        if key not in _SWEEP_PARSERS:
+            raise UsageError(f"cannot sweep {key!r}; sweepable: {', '.join(_SWEEP_PARSERS)}")
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise UsageError(f"sweep {key!r} takes a non-empty list of values, got {values!r}")
+        checked[key] = [parse_kernels(v) for v in values] if key == "kernels" else list(values)
+    return checked
+
+
 def make_setup(**fields: Any) -> TrainSetup:
     """TrainSetup, with a bad value reported as one line."""
     try:
@@ -188,6 +201,11 @@ def resolve_kernels(
     )
 
 
+# What a plan sets (_setup_from_plan); sweeping one of them beside a plan would measure the
+# plan's value at every point of the sweep.
+_DECIDED_BY_PLAN = ("batch", "grad_accum", "grad_checkpointing", "flce_chunk")
+
+
 def _setup_from_plan(fields: dict[str, Any], plan: Plan) -> dict[str, Any]:
     fields = dict(fields)
     if plan.micro_batch is not None:
@@ -248,20 +266,27 @@ def plan_cases(
     base_kernels = parse_kernels(kernels)
     if plan is not None:
         base_kernels = parse_kernels(list(plan.kernels))
-    sweeps = dict(sweeps or {})
+    sweeps = check_sweeps(sweeps)
+    decided = [k for k in _DECIDED_BY_PLAN if k in sweeps]
+    if plan is not None and decided:
+        raise UsageError(
+            f"a plan decides {', '.join(_DECIDED_BY_PLAN)}: sweep {', '.join(decided)} "
+            "without a plan, or verify one plan per case"
+        )
     keys = list(sweeps)
     planned: list[PlannedCase] = []
-    specs: dict[int | None, tuple[ModelSpec, str | None]] = {}
+    uncut, full_checkpoint = resolve_spec(model, trust_remote_code=trust_remote_code)
+    uncut_name = _display_name(uncut)
     seen: dict[str, int] = {}
     for values in itertools.product(*(sweeps[k] for k in keys)):
         point = dict(zip(keys, values))
         case_layers = point.pop("layers", layers)
         case_kernels = point.pop("kernels", base_kernels)
-        if case_layers not in specs:
-            specs[case_layers] = resolve_spec(
-                model, trust_remote_code=trust_remote_code, layers=case_layers
-            )
-        spec, checkpoint = specs[case_layers]
+        if case_layers is None:
+            spec, checkpoint, name = uncut, full_checkpoint, uncut_name
+        else:  # a cut model is built from its config, and named after the model as given
+            spec, checkpoint = with_layers(uncut, case_layers), None
+            name = f"{uncut_name}-l{case_layers}"
         fields = {"batch": batch, "seq": seq, **setup_options, **point}
         if fields.get("lora_targets") is None:
             fields.pop("lora_targets", None)
@@ -270,7 +295,6 @@ def plan_cases(
         if plan is not None:
             fields = _setup_from_plan(fields, plan)
         setup = resolve_kernels(spec, make_setup(**fields), case_kernels, gpu_spec)
-        name = _display_name(spec)
         label = case_name(name, setup)
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:

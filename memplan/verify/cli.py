@@ -157,8 +157,7 @@ def _profile_tables(m: Measurement, top: int = 10) -> list[Any]:
 @_one_line_errors
 def verify_command(**opts: Any) -> None:
     """Measure the peak memory of real training steps on this GPU, next to the prediction."""
-    from rich.console import Console
-
+    from memplan.verify.api import NoGpuError
     from memplan.verify.cases import parse_sweeps, plan_cases
 
     lora_rank = positive_int("--lora-rank", opts["lora_rank"])
@@ -189,7 +188,23 @@ def verify_command(**opts: Any) -> None:
         flce_chunk=positive_int("--flce-chunk", opts["flce_chunk"]),
     )
     timeout = positive_int("--timeout", opts["timeout"])
-    report = _run_with_progress(planned, profile=opts["profile"], timeout_s=timeout)
+    try:
+        report = _run_with_progress(planned, profile=opts["profile"], timeout_s=timeout)
+    except NoGpuError as exc:
+        if not exc.report.measurements:
+            raise
+        _show(exc.report, opts)  # the cases measured before the GPU went missing are kept
+        where = f", written to {opts['out']}" if opts["out"] else ""
+        raise MemplanError(f"{exc} ({len(exc.report.measurements)} measured{where})") from None
+    _show(report, opts)
+    _exit_for(report)
+
+
+def _show(report: Report, opts: dict[str, Any]) -> None:
+    """The results: to --out, and on stdout as a table (or JSON), warnings on stderr."""
+    from rich.console import Console
+
+    from memplan.verify.report import measurement_warnings
 
     if opts["out"]:
         Path(opts["out"]).write_text(report.model_dump_json(indent=1))
@@ -205,7 +220,9 @@ def verify_command(**opts: Any) -> None:
                 console.print(table)
             if m.profile_error:
                 click.echo(f"profile: {m.profile_error}", err=True)
-    _exit_for(report)
+    for m in report.measurements:
+        for warning in measurement_warnings(m):
+            click.echo(f"Warning: {m.case}: {warning}", err=True)
 
 
 def _missing(option: str) -> Any:

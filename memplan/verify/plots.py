@@ -48,8 +48,9 @@ def plot_accuracy(measurements: Sequence[Measurement], path: Path) -> Path | Non
         label = f"kernels {group} ({len(ms)})" if group == "none" else f"{group} ({len(ms)})"
         left.scatter(measured, predicted, marker=marker, color=color, label=label, zorder=3)
         right.scatter(measured, errors, marker=marker, color=color, label=label, zorder=3)
-    all_measured = [m.peak_bytes / GIB for m in cases]
-    lo, hi = min(all_measured) * 0.8, max(all_measured) * 1.2
+    # both axes span measured and predicted, so a prediction far off stays on the panel
+    values = [v / GIB for m in cases for v in (m.peak_bytes, m.predicted.peak_bytes)]
+    lo, hi = min(values) * 0.8, max(values) * 1.2
     xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
     band = BAND_PCT / 100
     left.plot(xs, xs, color="black", linewidth=1, label="predicted = measured")

@@ -35,18 +35,36 @@ def predict(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None = None) -> Memor
     return estimate(spec, setup, gpu)
 
 
+def measured_gpu(measurement: Measurement, fallback: Gpu | None = None) -> Gpu | None:
+    """The GPU the measurement ran on, from what the child recorded in its env (compute
+    capability and total memory); `fallback` for results written before it did so."""
+    env = measurement.env
+    try:
+        major, minor = (int(v) for v in env["compute_capability"].split("."))
+        memory = int(env["gpu_total_bytes"])
+    except (KeyError, ValueError):
+        return fallback
+    name = env.get("gpu") or "measured GPU"
+    if fallback is not None:
+        return fallback.model_copy(
+            update={"name": name, "memory_bytes": memory, "compute_capability": (major, minor)}
+        )
+    return Gpu(name=name, memory_bytes=memory, compute_capability=(major, minor))
+
+
 def attach_prediction(
     measurement: Measurement, spec: ModelSpec | None = None, gpu: Gpu | None = None
 ) -> Measurement:
     """The measurement with the estimator's prediction, or with `prediction_error` saying why
-    there is none; the measured figures are kept either way. Liger runs get no prediction: the
-    estimator models Hugging Face's ops and memplan's kernels, not Liger's."""
+    there is none; the measured figures are kept either way. The prediction is for the GPU the
+    measurement ran on where its result says which, else for `gpu`. Liger runs get no
+    prediction: the estimator models Hugging Face's ops and memplan's kernels, not Liger's."""
     if measurement.liger:
         return measurement
     try:
         if spec is None:
             spec = spec_from_hf_config(measurement.hf_config, measurement.model)
-        predicted = predict(spec, measurement.setup, gpu)
+        predicted = predict(spec, measurement.setup, measured_gpu(measurement, gpu))
     except Exception as exc:  # the measurement must survive an estimator bug
         text = str(exc).strip().splitlines()
         reason = f"{type(exc).__name__}: {text[0] if text else ''}"

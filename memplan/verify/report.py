@@ -26,36 +26,101 @@ def kernel_group(m: Measurement) -> str:
 
 @dataclass(frozen=True)
 class ErrorStats:
+    """The goal check of a group of cases. The error figures cover the cases with a measured peak
+    and a prediction (None where there is none). An out-of-memory case with a prediction is
+    judged against the bytes it ran out above, a lower bound of its peak; a failed case or one
+    without a prediction cannot be judged, and the goal is then not known to be met."""
+
     cases: int
-    median_abs_pct: float
-    max_abs_pct: float
-    mean_pct: float
-    worst_case: str
+    median_abs_pct: float | None
+    max_abs_pct: float | None
+    mean_pct: float | None
+    worst_case: str | None
+    oom_cases: int = 0
+    oom_under: tuple[str, ...] = ()  # predicted more than GOAL_MAX_PCT below their bound
+    not_judged: tuple[tuple[str, int], ...] = ()  # (why, how many cases)
 
     @property
     def meets_goal(self) -> bool:
-        return self.median_abs_pct <= GOAL_MEDIAN_PCT and self.max_abs_pct <= GOAL_MAX_PCT
+        return self.verdict == "yes"
+
+    @property
+    def verdict(self) -> str:
+        """'yes', 'no', or 'no: ' with the reason the table's error columns do not show."""
+        reasons = [f"{_cases(n)} {why}" for why, n in self.not_judged]
+        if self.oom_under:
+            reasons.insert(
+                0, f"{_cases(len(self.oom_under))} predicted below the out-of-memory bound"
+            )
+        if reasons:
+            return "no: " + ", ".join(reasons)
+        if self.median_abs_pct is None or self.max_abs_pct is None:
+            return "not known: no case with a measured peak"
+        if self.median_abs_pct <= GOAL_MEDIAN_PCT and self.max_abs_pct <= GOAL_MAX_PCT:
+            return "yes"
+        return "no"
+
+
+def _cases(n: int) -> str:
+    return f"{n} case" if n == 1 else f"{n} cases"
+
+
+def oom_bound_pct(m: Measurement) -> float | None:
+    """(predicted - above) / above of an out-of-memory case, in %: the measured peak is at least
+    `above`, so a value under -GOAL_MAX_PCT is an under-prediction beyond the goal."""
+    if m.status != "oom" or m.predicted is None or not m.oom_above_bytes:
+        return None
+    return 100.0 * (m.predicted.peak_bytes - m.oom_above_bytes) / m.oom_above_bytes
+
+
+def _why_not_judged(m: Measurement, step1: bool) -> str | None:
+    if m.status == "error":
+        return "failed"
+    if m.predicted is None:
+        return "without a prediction"
+    if m.status == "oom":
+        return None if step1 or oom_bound_pct(m) is not None else "without a measured bound"
+    if (m.step1_error_pct if step1 else m.error_pct) is None:
+        return "without a measured peak"
+    return None
+
+
+def goal_check(measurements: Iterable[Measurement], *, step1: bool = False) -> ErrorStats:
+    """The statistics of (predicted - measured) / measured over the cases that have both, the
+    out-of-memory cases judged against their bound (steady peak only: the bound is the peak of
+    whichever step ran out), and the count of cases that could not be judged."""
+    pairs: list[tuple[str, float]] = []
+    oom: list[tuple[str, float]] = []
+    not_judged: dict[str, int] = {}
+    for m in measurements:
+        why = _why_not_judged(m, step1)
+        bound = oom_bound_pct(m)
+        error = m.step1_error_pct if step1 else m.error_pct
+        if why is not None:
+            not_judged[why] = not_judged.get(why, 0) + 1
+        elif bound is not None:
+            if not step1:
+                oom.append((m.case, bound))
+        elif error is not None:
+            pairs.append((m.case, error))
+    errors = [err for _, err in pairs]
+    worst = max(pairs, key=lambda p: abs(p[1])) if pairs else None
+    return ErrorStats(
+        cases=len(errors),
+        median_abs_pct=statistics.median(abs(e) for e in errors) if errors else None,
+        max_abs_pct=abs(worst[1]) if worst else None,
+        mean_pct=statistics.fmean(errors) if errors else None,
+        worst_case=worst[0] if worst else None,
+        oom_cases=len(oom),
+        oom_under=tuple(case for case, err in oom if err < -GOAL_MAX_PCT),
+        not_judged=tuple(not_judged.items()),
+    )
 
 
 def error_stats(measurements: Iterable[Measurement], *, step1: bool = False) -> ErrorStats | None:
-    """Statistics of (predicted - measured) / measured over the cases that have both."""
-    pairs = [
-        (m.case, m.step1_error_pct if step1 else m.error_pct)
-        for m in measurements
-        if m.status == "ok"
-    ]
-    pairs = [(case, err) for case, err in pairs if err is not None]
-    if not pairs:
-        return None
-    errors = [err for _, err in pairs]
-    worst = max(pairs, key=lambda p: abs(p[1]))
-    return ErrorStats(
-        cases=len(errors),
-        median_abs_pct=statistics.median(abs(e) for e in errors),
-        max_abs_pct=abs(worst[1]),
-        mean_pct=statistics.fmean(errors),
-        worst_case=worst[0],
-    )
+    """goal_check, or None when no case has both a prediction and a measured peak."""
+    stats = goal_check(measurements, step1=step1)
+    return stats if stats.cases else None
 
 
 def load_reports(paths: Sequence[str | Path]) -> Report:
@@ -78,6 +143,8 @@ def load_reports(paths: Sequence[str | Path]) -> Report:
             raise MemplanError(
                 f"{path} is not a memplan results file ({where}: {first['msg']})"
             ) from None
+        if not report.measurements:  # {} or another JSON object validates to an empty Report
+            raise MemplanError(f"{path} is not a memplan results file (no measurements)")
         measurements.extend(report.measurements)
         if report.label and report.label not in labels:
             labels.append(report.label)
@@ -107,35 +174,45 @@ def _environments(measurements: Sequence[Measurement]) -> list[str]:
 def _summary(measurements: Sequence[Measurement]) -> list[str]:
     groups: dict[str, list[Measurement]] = {}
     for m in measurements:
-        if m.predicted is not None:
+        if not m.liger:  # the estimator does not model Liger's kernels
             groups.setdefault(kernel_group(m), []).append(m)
     if not groups:
         return ["No case has both a prediction and a measured peak."]
     lines = [
         "| kernels | cases | median \\|error\\| | max \\|error\\| | mean error | worst case "
-        "| step 1: median \\|error\\| | step 1: max \\|error\\| | meets goal |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---|",
+        "| step 1: median \\|error\\| | step 1: max \\|error\\| | out of memory | not judged "
+        "| meets goal |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|",
     ]
     rows = [(name, groups[name]) for name in ("none", "memplan kernels") if name in groups]
     if len(rows) > 1:
         rows.append(("all", [m for _, ms in rows for m in ms]))
     for name, ms in rows:
-        steady, first = error_stats(ms), error_stats(ms, step1=True)
-        if steady is None:
-            continue
+        steady, first = goal_check(ms), goal_check(ms, step1=True)
+        oom = str(steady.oom_cases or "—")
+        if steady.oom_under:
+            oom += f", {len(steady.oom_under)} under its bound"
+        not_judged = ", ".join(f"{n} {why}" for why, n in steady.not_judged) or "—"
         lines.append(
-            f"| {name} | {steady.cases} | {steady.median_abs_pct:.2f}% "
-            f"| {steady.max_abs_pct:.2f}% | {steady.mean_pct:+.2f}% | {steady.worst_case} "
-            f"| {f'{first.median_abs_pct:.2f}%' if first else '—'} "
-            f"| {f'{first.max_abs_pct:.2f}%' if first else '—'} "
-            f"| {'yes' if steady.meets_goal else 'no'} |"
+            f"| {name} | {steady.cases} | {_abs_pct(steady.median_abs_pct)} "
+            f"| {_abs_pct(steady.max_abs_pct)} | {pct(steady.mean_pct)} "
+            f"| {steady.worst_case or '—'} | {_abs_pct(first.median_abs_pct)} "
+            f"| {_abs_pct(first.max_abs_pct)} | {oom} | {not_judged} | {steady.verdict} |"
         )
-    lines += [
-        "",
+    lines.append("")
+    if not any(goal_check(ms).cases for _, ms in rows):
+        lines += ["No case has both a prediction and a measured peak.", ""]
+    lines.append(
         f"error = (predicted - measured) / measured of the steady peak; goal: median "
-        f"<= {GOAL_MEDIAN_PCT}%, every case <= {GOAL_MAX_PCT}%.",
-    ]
+        f"<= {GOAL_MEDIAN_PCT}%, every case <= {GOAL_MAX_PCT}%. An out-of-memory case is judged "
+        f"against the bytes it ran out above, a lower bound of its peak: it fails when predicted "
+        f"more than {GOAL_MAX_PCT}% below it."
+    )
     return lines
+
+
+def _abs_pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}%"
 
 
 def _cases_table(measurements: Sequence[Measurement]) -> list[str]:
@@ -169,15 +246,23 @@ def _failures(measurements: Sequence[Measurement]) -> list[str]:
     for m in measurements:
         predicted = f"predicted {gib(m.predicted.peak_bytes)} GiB; " if m.predicted else ""
         if m.status == "oom":
+            bound = oom_bound_pct(m)
             lines.append(
                 f"- {m.case}: {predicted}measured: out of memory above "
                 f"{gib(m.oom_above_bytes)} GiB ({m.error})"
+                + ("" if bound is None else f"; predicted {pct(bound)} against that bound")
             )
         elif m.status == "error":
             lines.append(f"- {m.case}: {m.error_kind or 'error'}: {m.error}")
         elif m.prediction_error:
             lines.append(f"- {m.case}: no prediction: {m.prediction_error}")
+        lines += [f"- {m.case}: warning: {w}" for w in measurement_warnings(m)]
     return lines
+
+
+def measurement_warnings(m: Measurement) -> list[str]:
+    """What the child noticed without failing the case (env["warnings"], one per line)."""
+    return [w for w in m.env.get("warnings", "").splitlines() if w]
 
 
 def _profiles(measurements: Sequence[Measurement], top: int = 10) -> list[str]:
@@ -235,7 +320,7 @@ def render_markdown(
     ]
     failures = _failures(ms)
     if failures:
-        out += ["## Out of memory, errors and missing predictions", "", *failures, ""]
+        out += ["## Out of memory, errors, warnings and missing predictions", "", *failures, ""]
     profiles = _profiles(ms)
     if profiles:
         out += ["## Profile: top GPU operators by self time", "", *profiles]

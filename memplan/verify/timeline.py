@@ -3,8 +3,8 @@
 this module reads the snapshot's trace.
 
 Phases are told apart by marker allocations: before each phase the child allocates and frees a
-block of a size no tensor of the step has (512 x a prime near 1024 bytes), so the boundaries sit
-in the trace itself, exact, with no clock to align."""
+block of a size no tensor of the step has (512 bytes x a prime from 1021 on), so the boundaries
+sit in the trace itself, exact, with no clock to align."""
 
 from __future__ import annotations
 
@@ -12,14 +12,22 @@ from collections.abc import Iterable, Sequence
 
 from memplan.schema import MemoryEvent
 
-_PRIMES_NEAR_1024 = (1021, 1031, 1033, 1039, 1049, 1051, 1061, 1063, 1069, 1087, 1091, 1093)
+
+def _primes_from(start: int, count: int) -> list[int]:
+    primes: list[int] = []
+    n = start
+    while len(primes) < count:
+        if n > 1 and all(n % d for d in range(2, int(n**0.5) + 1)):
+            primes.append(n)
+        n += 1
+    return primes
 
 
 def marker_sizes(count: int) -> list[int]:
-    """Byte sizes of `count` phase markers; multiples of 512 so the allocator does not round."""
-    if count > len(_PRIMES_NEAR_1024):
-        raise ValueError(f"at most {len(_PRIMES_NEAR_1024)} phase markers, got {count}")
-    return [512 * p for p in _PRIMES_NEAR_1024[:count]]
+    """Byte sizes of `count` phase markers: 512 x the primes from 1021 on, all distinct (one
+    marker per phase whatever the number of micro-batches); multiples of 512 so the allocator
+    does not round, with a prime factor above 1000 that the tensors of a step do not have."""
+    return [512 * p for p in _primes_from(1021, count)]
 
 
 def events_from_trace(

@@ -49,6 +49,14 @@ def _is_oom(exc: BaseException) -> bool:
     return "out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text
 
 
+def _warn(rec: dict[str, Any], message: str) -> None:
+    """Something the parent should know that does not fail the case: one line on stderr and one
+    in the result's env["warnings"]."""
+    print(f"Warning: {message}", file=sys.stderr)
+    env = rec.setdefault("env", {})
+    env["warnings"] = "\n".join(filter(None, [env.get("warnings"), message]))
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -69,6 +77,7 @@ def _check_gpu(rec: dict[str, Any]) -> None:
         torch.cuda.init()
         free, total = torch.cuda.mem_get_info()
         name = torch.cuda.get_device_name()
+        major, minor = torch.cuda.get_device_capability()
     except Exception as exc:  # a broken driver or a GPU in a bad state
         message = f"CUDA is not usable: {_one_line(exc)}"
         raise _Failure("no_gpu", message, protocol.EXIT_NO_GPU) from exc
@@ -77,6 +86,9 @@ def _check_gpu(rec: dict[str, Any]) -> None:
     rec["env"] = {
         "gpu": name,
         "gpu_total_gib": f"{total / 2**30:.2f}",
+        # the prediction is made for this GPU (memplan.verify.predict.measured_gpu)
+        "gpu_total_bytes": str(total),
+        "compute_capability": f"{major}.{minor}",
         "gpu_free_at_start_gib": f"{free / 2**30:.2f}",
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
@@ -230,6 +242,17 @@ class _Trainer:
             0, vocab, (setup.batch, setup.seq), device=DEVICE, generator=generator
         )
         self.loss: Any = None
+        self.optimizer_name = setup.optimizer
+
+    def skipped_every_step(self) -> bool:
+        """True when the fp16 loss scaler found inf/NaN gradients at every step so far: the
+        optimizer never stepped and holds no state. Plain SGD keeps no state either way."""
+        return (
+            self.scaler is not None
+            and self.optimizer_name != "sgd"
+            and self.n_trainable > 0
+            and not self.opt.state
+        )
 
     def step(self, mark: Any = None) -> None:
         """One optimizer step; `mark(name)` is called at each phase boundary when given."""
@@ -286,9 +309,20 @@ def _measure(case: VerifyCase, trainer: _Trainer, rec: dict[str, Any]) -> None:
     rec["tokens_per_s"] = setup.batch * setup.seq * setup.grad_accum / rec["step_s"]
     rec["loss"] = float(trainer.loss.item())
     rec["status"] = "ok"
+    if trainer.skipped_every_step():
+        _warn(
+            rec,
+            "the fp16 loss scaler skipped every optimizer step (inf/NaN gradients), so the "
+            "optimizer states were never allocated and the measured peak lacks them",
+        )
     if case.record_timeline:
         rec["oom_phase"] = "the recorded step"
-        rec["timeline_measured"] = _record_timeline(trainer)
+        try:
+            rec["timeline_measured"] = _record_timeline(trainer)
+        except Exception as exc:  # the peaks are measured; the timeline is an extra
+            if _is_oom(exc):
+                raise
+            _warn(rec, f"the memory timeline was not recorded: {_one_line(exc)}")
     rec.pop("oom_phase")
 
 

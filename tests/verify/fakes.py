@@ -31,8 +31,9 @@ class FakeCudaMemory:
     """torch.cuda's counters for a CPU run: the peak grows by 1 GiB at each reading, so step 1
     and the steady peak differ and the test can tell which reading went where."""
 
-    def __init__(self) -> None:
+    def __init__(self, capability: tuple[int, int] = (9, 0)) -> None:
         self.peak = 10 * GIB
+        self.capability = capability
 
     def max_memory_allocated(self, *args: Any) -> int:
         self.peak += GIB
@@ -44,6 +45,7 @@ class FakeCudaMemory:
         monkeypatch.setattr(cuda, "init", lambda: None)
         monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (79 * GIB, 80 * GIB))
         monkeypatch.setattr(cuda, "get_device_name", lambda *a: "Fake GPU")
+        monkeypatch.setattr(cuda, "get_device_capability", lambda *a: self.capability)
         monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
         monkeypatch.setattr(cuda, "memory_allocated", lambda *a: 3 * GIB)
         monkeypatch.setattr(cuda, "max_memory_allocated", self.max_memory_allocated)

@@ -108,8 +108,16 @@ def test_events_from_trace_tracks_allocated_bytes_between_markers():
         ("backward", 1100),
         ("backward", 1100 + fwd),
     ]
-    with pytest.raises(ValueError, match="at most 12 phase markers"):
-        marker_sizes(13)
+
+
+def test_marker_sizes_for_any_number_of_phases():
+    # grad_accum 5: 2 markers per micro-batch + optimizer, zero_grad, end = 13 (was a ValueError)
+    sizes = marker_sizes(13)
+    assert len(set(sizes)) == 13 and all(s % 512 == 0 for s in sizes)
+    assert marker_sizes(12) == sizes[:12]  # the same sizes for the first phases
+    primes = [s // 512 for s in marker_sizes(200)]
+    assert primes[0] == 1021 and primes == sorted(set(primes))
+    assert all(all(p % d for d in range(2, int(p**0.5) + 1)) for p in primes)
 
 
 def test_downsample_keeps_the_shape_and_the_peak():
@@ -172,3 +180,72 @@ def test_lora_targets_default_to_the_architecture_s_projections():
     assert targets("phi-3-mini") == ("qkv_proj",)  # fused q/k/v: no q_proj or v_proj
     assert targets("llama-3.2-1b") == ("q_proj", "v_proj")
     assert targets("llama-3.2-1b", lora_targets=("o_proj",)) == ("o_proj",)
+
+
+def test_python_sweeps_are_checked_and_parsed_as_on_the_command_line():
+    with pytest.raises(UsageError, match="cannot sweep 'batchs'; sweepable: batch, seq"):
+        plan_cases("qwen3-0.6b", batch=1, seq=64, kernels="none", sweeps={"batchs": [1, 2]})
+    with pytest.raises(UsageError, match="sweep 'batch' takes a non-empty list of values"):
+        plan_cases("qwen3-0.6b", batch=1, seq=64, kernels="none", sweeps={"batch": 4})
+    items = plan_cases(
+        "qwen3-0.6b",
+        batch=1,
+        seq=64,
+        sweeps={"kernels": ["none", "rms_norm+swiglu", ("rms_norm",)]},
+    )
+    assert [i.case.setup.kernels for i in items] == [(), ("rms_norm", "swiglu"), ("rms_norm",)]
+    with pytest.raises(UsageError, match="unknown kernel 'warp'"):
+        plan_cases("qwen3-0.6b", batch=1, seq=64, sweeps={"kernels": ["rms_norm+warp"]})
+
+
+@pytest.mark.parametrize(
+    "sweep",
+    [
+        {"batch": [4, 8]},
+        {"grad_accum": [1, 2]},
+        {"grad_checkpointing": [False, True]},
+        {"flce_chunk": [512, 1024]},
+    ],
+)
+def test_a_plan_with_a_sweep_of_what_it_decides_is_refused(sweep):
+    plan = Plan(kernels=("rms_norm", "flce"), flce_chunk=2048, micro_batch=2, grad_accum=4)
+    with pytest.raises(UsageError, match=f"a plan decides .*: sweep {next(iter(sweep))} without"):
+        plan_cases("qwen3-0.6b", batch=8, seq=1024, plan=plan, sweeps=sweep)
+    # what a plan leaves open can still be swept
+    items = plan_cases("qwen3-0.6b", batch=8, seq=1024, plan=plan, sweeps={"seq": [512, 1024]})
+    assert [(i.case.setup.batch, i.case.setup.seq) for i in items] == [(2, 512), (2, 1024)]
+
+
+def test_layer_cut_of_a_model_given_by_path_is_named_after_its_folder(tmp_path):
+    import json
+
+    folder = tmp_path / "mymodel"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    items = plan_cases(str(folder), batch=1, seq=8, kernels="none", sweeps={"layers": [1, 2]})
+    assert [(i.case.case, i.case.model) for i in items] == [
+        ("mymodel-l1_b1_s8_bf16_hf", "mymodel-l1"),
+        ("mymodel-l2_b1_s8_bf16_hf", "mymodel-l2"),
+    ]
+    assert [i.case.hf_config["num_hidden_layers"] for i in items] == [1, 2]
+    (item,) = plan_cases(str(folder), batch=1, seq=8, kernels="none")
+    assert (item.case.case, item.case.model) == ("mymodel_b1_s8_bf16_hf", "mymodel")
+
+
+def test_python_api_keeps_the_cases_measured_before_the_gpu_went_missing(monkeypatch):
+    from memplan.verify.api import NoGpuError
+
+    def behaviour(case):
+        if case.setup.batch == 3:
+            return {"status": "error", "error_kind": "no_gpu", "error": "CUDA is not usable: x"}, 4
+        return ok_result()
+
+    launcher = FakeLauncher(behaviour)
+    monkeypatch.setattr(runner, "launch", launcher)
+    monkeypatch.setattr(predict, "predict", lambda spec, setup, gpu=None: estimate(20.2, 15.0))
+    with pytest.raises(NoGpuError, match=r"^CUDA is not usable: x; stopped at case 3 of 4$") as e:
+        memplan.verify(
+            "qwen3-0.6b", batch=1, seq=64, kernels="none", sweeps={"batch": [1, 2, 3, 4]}
+        )
+    assert [m.setup.batch for m in e.value.report.measurements] == [1, 2]
+    assert len(launcher.cases) == 3  # the sweep stops at the first case without a GPU

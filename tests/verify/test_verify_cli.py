@@ -249,3 +249,87 @@ def test_commands_are_registered_on_the_main_group():
 
     result = CliRunner().invoke(cli, ["report", str(FIXTURE)])
     assert result.exit_code == 0 and "## Summary" in result.stdout
+
+
+def test_no_gpu_in_the_middle_of_a_sweep_keeps_the_cases_measured(monkeypatch, fake_estimator):
+    def behaviour(case):
+        if case.setup.batch == 3:
+            return {"status": "error", "error_kind": "no_gpu", "error": "CUDA is not usable: x"}, 4
+        return ok_result()
+
+    launcher = use_child(monkeypatch, behaviour)
+    out = Path("r.json")
+    with CliRunner().isolated_filesystem():
+        result = invoke(verify_command, BASE + ["--sweep", "batch=1,2,3,4", "--out", str(out)])
+        saved = Report.model_validate_json(out.read_text())
+    assert result.exit_code == 1
+    assert [m.setup.batch for m in saved.measurements] == [1, 2]
+    assert len(launcher.cases) == 3
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert error_lines == [
+        "Error: CUDA is not usable: x; stopped at case 3 of 4 (2 measured, written to r.json)"
+    ]
+    assert "Traceback" not in result.stderr
+    assert "qwen3-0.6b_b2_s1024_bf16_hf" in result.stdout  # the measured cases are shown
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{}",
+        '{"measurements": []}',
+        '{"case": "x", "model": "m", "setup": {"batch": 1, "seq": 8}, "peak_bytes": 1}',
+        '{"_protocol": "p", "llama32_1b_b8_s2048": {"peak_gib": 20.1}}',
+    ],
+    ids=["empty", "no-measurements", "one-measurement", "reference-file"],
+)
+def test_report_refuses_a_file_without_measurements(tmp_path, content):
+    path = tmp_path / "x.json"
+    path.write_text(content)
+    result = invoke(report_command, [str(path)])
+    assert result.exit_code == 1
+    assert result.stderr == f"Error: {path} is not a memplan results file (no measurements)\n"
+    assert result.stdout == ""
+
+
+def test_report_recompute_predicts_for_the_gpu_measured(monkeypatch, tmp_path):
+    gpus = []
+
+    def fake(spec, setup, gpu=None):
+        gpus.append(gpu)
+        return estimate(33.0, 1.0)
+
+    monkeypatch.setattr(predict, "predict", fake)
+    monkeypatch.setattr(predict, "spec_from_hf_config", lambda config, name=None: None)
+    report = Report.model_validate_json(FIXTURE.read_text())
+    env = {"gpu": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0", "gpu_total_bytes": "85"}
+    first = report.measurements[0]
+    report.measurements[0] = first.model_copy(update={"env": {**first.env, **env}})
+    path = tmp_path / "r.json"
+    path.write_text(report.model_dump_json())
+    result = invoke(report_command, [str(path), "--recompute"])
+    assert result.exit_code == 0, result.output
+    assert (gpus[0].name, gpus[0].compute_capability, gpus[0].memory_bytes) == (
+        "NVIDIA A100-SXM4-80GB",
+        (8, 0),
+        85,
+    )
+    assert gpus[1] is None  # the fixture's other results say nothing of their GPU
+
+
+def test_warnings_of_the_child_are_shown(monkeypatch, fake_estimator, tmp_path):
+    def behaviour(case):
+        fields, code = ok_result()
+        return {
+            **fields,
+            "env": {**fields["env"], "warnings": "the timeline was not recorded"},
+        }, code
+
+    use_child(monkeypatch, behaviour)
+    out = tmp_path / "r.json"
+    result = invoke(verify_command, BASE + ["--out", str(out)])
+    assert result.exit_code == 0, result.output
+    warning = "qwen3-0.6b_b4_s1024_bf16_hf: the timeline was not recorded"
+    assert result.stderr == f"Warning: {warning}\n"
+    report = invoke(report_command, [str(out)])
+    assert f"- {warning.replace(': ', ': warning: ', 1)}" in report.stdout

@@ -41,6 +41,20 @@ def test_protocol_figures_and_timeline():
     top = max(e.allocated_bytes for e in events)
     assert top == pytest.approx(m.peak_bytes, rel=0.03)
     assert m.predicted is not None and m.predicted.timeline
+    # the prediction is for the GPU measured: its compute capability and memory are recorded
+    major, minor = (int(v) for v in m.env["compute_capability"].split("."))
+    assert major >= 7 and int(m.env["gpu_total_bytes"]) > 10 * GIB
+    assert "warnings" not in m.env
+
+
+def test_timeline_of_many_micro_batches():
+    # 5 micro-batches: 13 phase markers
+    item = _case(batch=1, seq=256, grad_accum=5, kernels="none", timeline=True)
+    m = run_case(item.case, spec=item.spec, timeout_s=300)
+    assert m.status == "ok", m.error
+    assert "warnings" not in m.env, m.env["warnings"]
+    phases = list(dict.fromkeys(e.phase for e in m.timeline_measured))
+    assert phases[:2] == ["forward 1", "backward 1"] and "backward 5" in phases
 
 
 def test_patched_case_applies_the_kernels():

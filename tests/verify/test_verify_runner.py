@@ -122,3 +122,29 @@ def test_child_environment_finds_this_memplan(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     env = runner._child_env()
     assert env["PYTHONPATH"].split(":")[:2] == [runner._PACKAGE_ROOT, "/elsewhere"]
+
+
+def test_prediction_is_for_the_gpu_measured_not_the_gpu_option(monkeypatch):
+    from memplan.catalog import resolve_gpu
+
+    def a100_result(case):
+        fields, code = ok_result()
+        env = {**fields["env"], "compute_capability": "8.0", "gpu_total_bytes": str(80 * GIB)}
+        return {**fields, "env": env}, code
+
+    monkeypatch.setattr(runner, "launch", FakeLauncher(a100_result))
+    case = make_case()
+    spec = predict.spec_from_hf_config(TINY_LLAMA, "tiny-llama")
+    h100 = resolve_gpu("h100")  # what --gpu said (compute capability 9.0)
+    m = runner.run_case(case, spec=spec, gpu=h100)
+    on_a100 = predict.predict(
+        spec, case.setup, h100.model_copy(update={"compute_capability": (8, 0)})
+    )
+    assert m.predicted == on_a100
+    # cuBLAS's default workspace, twice: 32 MiB from Hopper on, 8 MiB + 128 KiB before
+    assert predict.predict(spec, case.setup, h100).peak_bytes - m.predicted.peak_bytes == 50_069_504
+    # a result written before the worker recorded its GPU falls back to the option
+    monkeypatch.setattr(runner, "launch", FakeLauncher(lambda c: ok_result()))
+    assert runner.run_case(case, spec=spec, gpu=h100).predicted.peak_bytes == (
+        predict.predict(spec, case.setup, h100).peak_bytes
+    )

@@ -4,6 +4,7 @@ optimizers and steps of the protocol, with torch.cuda's memory counters replaced
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -173,3 +174,52 @@ def test_memplan_patch_is_applied_before_the_optimizer(fake_cuda):
     # 2 layers x 2 norms + the final norm
     assert m.applied["modules"] == {"rms_norm": 5}
     assert m.setup.kernels == ("rms_norm",)
+
+
+def test_the_gpu_measured_is_recorded_for_the_prediction(monkeypatch):
+    memory = FakeCudaMemory(capability=(8, 0))
+    memory.install(monkeypatch, torch)
+    monkeypatch.setattr(worker, "DEVICE", "cpu")
+    m, code = worker.run(make_case())
+    assert code == protocol.EXIT_OK, m.error
+    assert (m.env["compute_capability"], m.env["gpu_total_bytes"]) == ("8.0", str(80 * GIB))
+
+
+@pytest.fixture
+def empty_history(monkeypatch):
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [[]]})
+
+
+def test_timeline_with_many_micro_batches(fake_cuda, empty_history):
+    # 5 micro-batches: 13 phase markers (more than the 12 sizes there used to be)
+    case = make_case(grad_accum=5).model_copy(update={"record_timeline": True})
+    m, code = worker.run(case)
+    assert code == protocol.EXIT_OK, m.error
+    assert m.status == "ok" and m.timeline_measured == [] and "warnings" not in m.env
+
+
+def test_a_failed_timeline_keeps_the_measurement(fake_cuda, empty_history, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("bad trace\nmore")
+
+    monkeypatch.setattr(worker, "events_from_trace", broken)
+    m, code = worker.run(make_case().model_copy(update={"record_timeline": True}))
+    assert code == protocol.EXIT_OK, m.error
+    assert (m.status, m.peak_bytes, m.timeline_measured) == ("ok", 12 * GIB, None)
+    message = "the memory timeline was not recorded: RuntimeError: bad trace"
+    assert m.env["warnings"] == message
+    assert capsys.readouterr().err.splitlines() == [f"Warning: {message}"]
+
+
+def test_fp16_steps_all_skipped_is_a_warning(fake_cuda, monkeypatch):
+    real = torch.amp.GradScaler
+    # an infinite loss scale makes every gradient inf: the scaler skips every optimizer step
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda device: real(device, init_scale=math.inf))
+    m, code = worker.run(make_case(precision="amp-fp16"))
+    assert code == protocol.EXIT_OK, m.error
+    assert m.status == "ok"
+    assert m.env["warnings"].startswith("the fp16 loss scaler skipped every optimizer step")
+    monkeypatch.setattr(torch.amp, "GradScaler", real)
+    m, code = worker.run(make_case(precision="amp-fp16"))
+    assert code == protocol.EXIT_OK and "warnings" not in m.env
