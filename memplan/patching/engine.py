@@ -405,7 +405,9 @@ def _plan_targets(
 ) -> list[_Target]:
     """Every module to patch with its new forward; raises before anything is changed."""
     glu = next((k for k in ("swiglu", "geglu") if k in chosen), None)
-    loss_kernels = tuple(k for k in ("cross_entropy", "flce") if k in chosen)
+    loss_kernels = _loss_kernels(
+        hf_model, tuple(k for k in ("cross_entropy", "flce") if k in chosen)
+    )
     targets: list[_Target] = []
     for name, module in hf_model.named_modules():
         cls = type(module).__name__
@@ -436,8 +438,7 @@ def _plan_targets(
                     glu_function = functools.partial(glu_function, approximate=approximate)
                 forward = forwards.mlp_forward(spec.mlp, glu_function)
                 targets.append(_Target(name, module, (glu,), forward))
-            elif module is hf_model and _loss_kernels(module, loss_kernels):
-                loss_kernels = _loss_kernels(module, loss_kernels)
+            elif loss_kernels and module is hf_model:
                 _require(module, ("lm_head", spec.causal_lm.base_model_attr, "config"))
                 if spec.causal_lm.moe_aux_loss:
                     _require(module, ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))
