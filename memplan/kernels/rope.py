@@ -21,7 +21,13 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
-from memplan.kernels._utils import memory_overlaps, next_power_of_2, on_device, use_custom_op
+from memplan.kernels._utils import (
+    check_floating,
+    memory_overlaps,
+    next_power_of_2,
+    on_device,
+    use_custom_op,
+)
 
 
 def reference_rope(
@@ -168,6 +174,16 @@ def _check_shapes(
         raise UsageError("rope: q and k must share batch and sequence sizes.")
     if cos.shape != sin.shape or cos.dim() not in (2, 3):
         raise UsageError("rope: cos and sin must have the same (batch, seq, head_dim) shape.")
+    if cos.shape[-2] != q.shape[seq_dim] or (
+        cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0])
+    ):
+        raise UsageError(
+            f"rope: cos/sin of shape {tuple(cos.shape)} do not fit q and k of batch {q.shape[0]} "
+            f"and sequence {q.shape[seq_dim]} (expected ([1 or batch,] seq, head_dim))."
+        )
+    if q.shape[unsqueeze_dim] == 0 or k.shape[unsqueeze_dim] == 0:
+        raise UsageError("rope: q and k need at least one head each.")
+    check_floating("rope", q, k, cos, sin)
 
 
 def _num_warps(block_qh: int, block_kh: int, block_d: int) -> int:
@@ -329,7 +345,10 @@ def rope(
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused apply_rotary_pos_emb: q (B, n_heads, S, D), k (B, n_kv_heads, S, D) for
-    unsqueeze_dim=1 ((B, S, heads, D) for 2); cos/sin (B or 1, S, D) or (S, D).
+    unsqueeze_dim=1 ((B, S, heads, D) for 2); cos/sin (B or 1, S, D) or (S, D). The rotation
+    is computed in fp32 and stored in q's and k's dtype, also where cos/sin are fp32 (under
+    autocast; transformers' formula would promote q and k to fp32 there, which attention then
+    casts back).
 
     in_place: rotate q and k in their own memory, and their gradients in dq and dk's (the
     caller must not read the unrotated q, k afterwards; under torch.compile the functional op

@@ -110,3 +110,16 @@ def test_flce_on_meta_tensors():
     target = torch.zeros(6, dtype=torch.long, device="meta")
     loss = fused_linear_cross_entropy(hidden, weight, target)
     assert loss.device.type == "meta" and loss.shape == ()
+
+
+def test_rope_refuses_cos_sin_that_do_not_fit(device):
+    q = torch.randn(2, 4, 5, 8, device=device)
+    k = torch.randn(2, 2, 5, 8, device=device)
+    angle = torch.randn(3, 5, 8, device=device)
+    with pytest.raises(UsageError, match=r"cos/sin of shape \(3, 5, 8\) do not fit"):
+        rope(q, k, angle.cos(), angle.sin())
+    short = torch.randn(4, 8, device=device)
+    with pytest.raises(UsageError, match=r"cos/sin of shape \(4, 8\) do not fit"):
+        rope(q, k, short.cos(), short.sin())
+    with pytest.raises(UsageError, match="at least one head"):
+        rope(q, k[:, :0], angle[:1].cos(), angle[:1].sin())
