@@ -27,6 +27,7 @@ from memplan.schema import (
     Plan,
     Suggestion,
     TrainSetup,
+    make_setup,
 )
 
 # The caching allocator reserves more than it hands out (fragmentation): the protocol's
@@ -204,14 +205,14 @@ def advise(
     )
     gpu_spec = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu, gpu_mem)
     for name, value in (("batch", batch), ("seq", seq), ("grad-accum", grad_accum)):
-        if not isinstance(value, int) or value <= 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {value!r}")
     targets = (
         default_lora_targets(spec) if lora_targets is None else tuple(dict.fromkeys(lora_targets))
     )
     if lora_rank:
         check_lora_targets(spec, targets)
-    base = TrainSetup(
+    base = make_setup(
         batch=batch,
         seq=seq,
         precision=precision,

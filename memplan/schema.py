@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    computed_field,
+    model_validator,
+)
+
+from memplan.errors import UsageError
 
 Precision = Literal["bf16", "amp-bf16", "amp-fp16", "fp32"]
 Attention = Literal["sdpa", "eager"]
@@ -49,14 +58,14 @@ class ModelSpec(BaseModel):
 
     name: str | None = None
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(ge=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0)
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     norm: Literal["rms", "layer"] = "rms"
@@ -70,14 +79,33 @@ class ModelSpec(BaseModel):
     fused_gate_up: bool = False  # phi3: one gate_up_proj
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
-    sliding_window: int | None = None
+    sliding_window: int | None = Field(default=None, gt=0)
     layer_types: tuple[str, ...] | None = None
     # Mixture of experts (mixtral, qwen3_moe); 0 means dense.
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
+    num_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    moe_intermediate_size: int = Field(default=0, ge=0)
     # The config.json it came from, so verify can build the real model.
     hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                f"({self.num_experts})"
+            )
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        return self
 
 
 class TrainSetup(BaseModel):
@@ -100,6 +128,27 @@ class TrainSetup(BaseModel):
     # (kernel_contracts.flce_chunk_for_budget). Exclusive with flce_chunk.
     flce_memory_budget: int | None = Field(default=None, gt=0)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainSetup:
+        unknown = [k for k in self.kernels if k not in KERNEL_NAMES]
+        if unknown:
+            raise ValueError(f"unknown kernel {unknown[0]!r}; valid: {', '.join(KERNEL_NAMES)}")
+        if "cross_entropy" in self.kernels and "flce" in self.kernels:
+            raise ValueError("cross_entropy and flce both compute the loss; give one")
+        if self.flce_chunk is not None and self.flce_memory_budget is not None:
+            raise ValueError("give flce_chunk or flce_memory_budget, not both")
+        return self
+
+
+def make_setup(**fields: Any) -> TrainSetup:
+    """TrainSetup, with a bad value reported as one UsageError line."""
+    try:
+        return TrainSetup(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "setup"
+        raise UsageError(f"{where}: {first['msg']} (got {first.get('input')!r})") from None
+
 
 # The TrainSetup fields that describe how the step is run, beside batch, seq and the kernels.
 SETUP_OPTIONS = (
@@ -119,7 +168,7 @@ class Gpu(BaseModel):
     name: str
     memory_bytes: int = Field(gt=0)
     # What the CUDA context and driver take before the allocator sees any memory.
-    context_bytes: int = 600 * 2**20
+    context_bytes: int = Field(default=600 * 2**20, ge=0)
     compute_capability: tuple[int, int] = (9, 0)
 
 
@@ -146,10 +195,10 @@ class Plan(BaseModel):
     """What to switch on and how to split the batch: the advisor's answer, apply's input."""
 
     kernels: tuple[str, ...] = ()
-    flce_chunk: int | None = None
-    flce_memory_budget: int | None = None
-    micro_batch: int | None = None
-    grad_accum: int = 1
+    flce_chunk: int | None = Field(default=None, gt=0)
+    flce_memory_budget: int | None = Field(default=None, gt=0)
+    micro_batch: int | None = Field(default=None, gt=0)
+    grad_accum: int = Field(default=1, gt=0)
     grad_checkpointing: bool = False
     predicted_peak_bytes: int | None = None
 
@@ -298,7 +347,10 @@ class TrackResult(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def error_pct(self) -> float | None:
-        if self.predicted_peak_bytes is None or not self.measured_peak_bytes:
+        """(predicted - measured) / measured in %, for a block that ran to its end."""
+        if self.status != "ok" or self.predicted_peak_bytes is None:
+            return None
+        if not self.measured_peak_bytes:
             return None
         return (
             100.0

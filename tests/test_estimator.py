@@ -117,3 +117,41 @@ def test_gradient_accumulation_holds_every_gradient_in_later_micro_steps() -> No
     lora = one.model_copy(update={"lora_rank": 16})
     lora_gain = estimate(spec, lora.model_copy(update={"grad_accum": 2})).peak_bytes
     assert lora_gain - estimate(spec, lora).peak_bytes < 2 * single.params / 100
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": -2048}, "greater than 0"),
+        ({"num_attention_heads": 0}, "greater than 0"),
+        ({"vocab_size": 0}, "greater than 0"),
+        ({"num_key_value_heads": 5}, "must be a multiple of num_key_value_heads"),
+        ({"num_experts": 4, "num_experts_per_tok": 8}, "exceeds num_experts"),
+        ({"layer_types": ("full_attention",)}, "layer_types has 1 entries for 16 layers"),
+    ],
+)
+def test_impossible_model_numbers_are_refused(change, message) -> None:
+    from pydantic import ValidationError
+
+    from memplan.schema import ModelSpec
+
+    spec = dict(list_models())["llama-3.2-1b"]
+    with pytest.raises(ValidationError, match=message):
+        ModelSpec(**{**spec.model_dump(), **change})
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kernels": ("bogus",)}, "unknown kernel 'bogus'"),
+        ({"kernels": ("cross_entropy", "flce")}, "both compute the loss"),
+        ({"flce_chunk": 128, "flce_memory_budget": 2**20}, "not both"),
+        ({"precision": "fp16"}, "precision: Input should be"),
+    ],
+)
+def test_impossible_setups_are_one_usage_error(fields, message) -> None:
+    from memplan.errors import UsageError
+    from memplan.schema import make_setup
+
+    with pytest.raises(UsageError, match=message):
+        make_setup(batch=1, seq=8, **fields)

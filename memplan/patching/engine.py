@@ -170,6 +170,8 @@ def apply(
     if flce_chunk is None and flce_memory_budget is None and resolved_plan is not None:
         flce_chunk = resolved_plan.flce_chunk
         flce_memory_budget = resolved_plan.flce_memory_budget
+        if flce_chunk is not None and flce_memory_budget is not None:
+            raise UsageError("the plan gives flce_chunk and flce_memory_budget; give one")
     chosen = tuple(k for k in KERNEL_NAMES if k in chosen)
 
     request = (chosen, flce_chunk, flce_memory_budget)

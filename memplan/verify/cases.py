@@ -10,11 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from memplan.errors import UsageError
 from memplan.estimators.params import default_lora_targets
-from memplan.schema import KERNEL_NAMES, Advice, Gpu, ModelSpec, Plan, TrainSetup, VerifyCase
+from memplan.schema import (
+    KERNEL_NAMES,
+    Advice,
+    Gpu,
+    ModelSpec,
+    Plan,
+    TrainSetup,
+    VerifyCase,
+    make_setup,
+)
 from memplan.schema import SETUP_OPTIONS as TRAIN_SETUP_OPTIONS
 from memplan.verify.predict import spec_from_hf_config, with_layers
 from memplan.verify.protocol import case_name
@@ -115,16 +122,6 @@ def check_sweeps(sweeps: Mapping[str, Sequence[Any]] | None) -> dict[str, list[A
             raise UsageError(f"sweep {key!r} takes a non-empty list of values, got {values!r}")
         checked[key] = [parse_kernels(v) for v in values] if key == "kernels" else list(values)
     return checked
-
-
-def make_setup(**fields: Any) -> TrainSetup:
-    """TrainSetup, with a bad value reported as one line."""
-    try:
-        return TrainSetup(**fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "setup"
-        raise UsageError(f"{where}: {first['msg']} (got {first.get('input')!r})") from None
 
 
 def resolve_spec(

@@ -63,6 +63,10 @@ def _is_oom(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
 
 
+# Tracker blocks open in this process.
+_open_trackers = 0
+
+
 class Tracker:
     """The context manager `memplan.track` returns; `result` is set on exit."""
 
@@ -82,10 +86,17 @@ class Tracker:
         self.result: TrackResult | None = None
 
     def __enter__(self) -> Tracker:
+        global _open_trackers
+        if _open_trackers:
+            # An inner block's reset of the one peak counter would erase the outer block's peak.
+            raise MemplanError(
+                "memplan.track blocks cannot be nested: the GPU has one peak counter"
+            )
         if self._reader is None:
             self._reader = CudaMemoryReader(self._device)
         self._reader.reset_peak()
         self._start = time.perf_counter()
+        _open_trackers += 1
         return self
 
     def __exit__(
@@ -94,13 +105,23 @@ class Tracker:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        global _open_trackers
+        _open_trackers -= 1
         assert self._reader is not None and self._start is not None
         status = "ok" if exc is None else ("oom" if _is_oom(exc) else "error")
+        try:
+            peak, reserved = self._reader.peak_allocated(), self._reader.peak_reserved()
+        except Exception:
+            if exc is None:
+                raise
+            # The block's own error (a sticky CUDA fault fails the synchronize too) is the one
+            # the caller must see.
+            peak = reserved = None
         self.result = TrackResult(
             status=status,
             predicted_peak_bytes=self.predicted_peak_bytes,
-            measured_peak_bytes=self._reader.peak_allocated(),
-            reserved_bytes=self._reader.peak_reserved(),
+            measured_peak_bytes=peak,
+            reserved_bytes=reserved,
             seconds=time.perf_counter() - self._start,
         )
         if not self._quiet:
@@ -118,6 +139,8 @@ class Tracker:
         r = self.result
         if r is None:
             return "memplan.track: nothing measured yet"
+        if r.measured_peak_bytes is None:
+            return f"memplan.track: the block failed ({r.status}) and the peak could not be read"
         measured = f"{r.measured_peak_bytes / GIB:.2f} GiB"
         if r.status == "oom":
             measured = f"out of memory above {measured}"

@@ -330,3 +330,13 @@ def test_revert_leaves_a_forward_wrapped_after_apply_and_warns():
         mp.revert(model)
     assert model.forward is wrapper
     assert instance_forwards(model) == {"": wrapper}
+
+
+def test_a_plan_with_both_flce_settings_is_refused_and_model_unchanged():
+    model = build("llama")
+    plan = Plan(kernels=("flce",), flce_chunk=64, flce_memory_budget=2**20)
+    with pytest.raises(UsageError, match="flce_chunk and flce_memory_budget; give one"):
+        mp.apply(model, plan)
+    assert instance_forwards(model) == {} and mp.applied_patch(model) is None
+    with pytest.raises(ValueError, match="greater than 0"):
+        Plan(kernels=("flce",), flce_chunk=-5)

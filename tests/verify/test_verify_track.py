@@ -86,3 +86,35 @@ def test_no_gpu_without_a_reader(monkeypatch):
     with pytest.raises(MemplanError, match="no CUDA GPU is available"):
         with memplan.track():
             pass
+
+
+def test_nested_blocks_are_refused_and_the_outer_still_measures():
+    with memplan.track(reader=FakeReader(GIB), quiet=True) as outer:
+        with pytest.raises(MemplanError, match="cannot be nested"):
+            with memplan.track(reader=FakeReader(GIB), quiet=True):
+                pass
+    assert outer.result.status == "ok" and outer.measured_peak_bytes == GIB
+    with memplan.track(reader=FakeReader(GIB), quiet=True) as again:  # the count is back to 0
+        pass
+    assert again.result.status == "ok"
+
+
+class _FaultyReader(FakeReader):
+    def peak_allocated(self) -> int:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_the_blocks_own_error_is_the_one_raised(capsys):
+    with pytest.raises(ValueError, match="the loop's own"):
+        with memplan.track(GIB, reader=_FaultyReader(GIB)) as t:
+            raise ValueError("the loop's own error")
+    assert t.result.status == "error" and t.result.measured_peak_bytes is None
+    assert t.result.error_pct is None
+    assert "peak could not be read" in capsys.readouterr().err
+
+
+def test_error_pct_only_for_a_block_that_ran_to_its_end():
+    with pytest.raises(RuntimeError):
+        with memplan.track(int(30 * GIB), reader=FakeReader(79 * GIB), quiet=True) as t:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert t.result.status == "oom" and t.result.error_pct is None
