@@ -90,11 +90,10 @@ class AppliedPatch:
 
 @dataclass
 class _Installed:
-    """One replaced forward: the module, what its instance dict held before, what we set."""
+    """One forward memplan set on a module instance (which had none of its own before: apply
+    refuses forwards set by others, _check_forwards_are_free)."""
 
     module: nn.Module
-    had_instance_forward: bool
-    previous: Any
     forward: Callable[..., Any]
 
 
@@ -192,7 +191,7 @@ def apply(
     for kernel in chosen:
         if modules[kernel]:
             continue
-        if kernel == "flce" and head is not None and not _plain_linear(head):
+        if kernel == "flce" and head is not None and not forwards.plain_linear(head):
             skipped[kernel] = (
                 f"lm_head is a {type(head).__module__}.{type(head).__qualname__}, not an "
                 "nn.Linear: FLCE needs the projection's weight, so the loss runs on the head's "
@@ -451,7 +450,7 @@ def _plan_targets(
                     flce_chunk=flce_setting[0],
                     flce_memory_budget=flce_setting[1],
                 )
-                original = _unpatched_forward(module, originals.get(id(module)))
+                original = types.MethodType(type(module).forward, module)
                 forward = forwards.causal_lm_forward(spec.causal_lm, original, kernels)
                 targets.append(_Target(cls, module, loss_kernels, forward))
         except (AttributeError, TypeError, ValueError) as exc:
@@ -463,15 +462,11 @@ def _plan_targets(
     return targets
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    return type(module) is nn.Linear
-
-
 def _loss_kernels(hf_model: nn.Module, chosen: tuple[str, ...]) -> tuple[str, ...]:
     """The loss kernels the causal-LM forward can use: FLCE reads lm_head's weight, which an
     adapter-wrapped head (PEFT modules_to_save, LoRA) does not hold as a plain projection."""
     head = getattr(hf_model, "lm_head", None)
-    if head is not None and not _plain_linear(head):
+    if head is not None and not forwards.plain_linear(head):
         return tuple(k for k in chosen if k != "flce")
     return chosen
 
@@ -509,15 +504,6 @@ def _check_forwards_are_free(
             )
 
 
-def _unpatched_forward(module: nn.Module, record: _Installed | None) -> Callable[..., Any]:
-    """The forward the module has without memplan (it may be patched by an earlier apply)."""
-    if record is None:
-        return module.forward
-    if record.had_instance_forward:
-        return record.previous
-    return types.MethodType(type(module).forward, module)
-
-
 def _require(module: nn.Module, attributes: Iterable[str]) -> None:
     missing = [a for a in attributes if not hasattr(module, a)]
     if missing:
@@ -543,10 +529,8 @@ def _install_all(targets: Sequence[_Target]) -> list[_Installed]:
 
 
 def _install(module: nn.Module, forward: Callable[..., Any]) -> _Installed:
-    had = "forward" in module.__dict__
-    record = _Installed(module, had, module.__dict__.get("forward"), forward)
     module.forward = types.MethodType(forward, module)
-    return record
+    return _Installed(module, forward)
 
 
 def _restore(installed: Sequence[_Installed]) -> None:
@@ -561,7 +545,4 @@ def _restore(installed: Sequence[_Installed]) -> None:
                 stacklevel=3,
             )
             continue
-        if record.had_instance_forward:
-            record.module.forward = record.previous
-        else:
-            record.module.__dict__.pop("forward", None)
+        record.module.__dict__.pop("forward", None)

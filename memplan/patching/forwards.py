@@ -306,6 +306,12 @@ def _to_tuple(output: Any) -> tuple[Any, ...]:
     )
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear itself, not a subclass or adapter wrapper (PEFT LoRA, modules_to_save):
+    FLCE reads its weight and bias instead of calling it."""
+    return type(module) is nn.Linear
+
+
 def _loss(
     lm_head: nn.Module,
     hidden: torch.Tensor,
@@ -319,7 +325,7 @@ def _loss(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     # FLCE needs the projection's weight; an adapter-wrapped lm_head (PEFT modules_to_save, LoRA)
     # is called as a module and its logits go to the cross-entropy kernel instead.
-    if kernels.flce is not None and type(lm_head) is nn.Linear:
+    if kernels.flce is not None and plain_linear(lm_head):
         # Under autocast FLCE casts hidden and weight itself, as nn.Linear would.
         return kernels.flce(
             hidden,
