@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from memplan.catalog import resolve_gpu, resolve_model
+from memplan.catalog import resolve_gpu, resolve_model, substituted_entry
 from memplan.errors import UsageError
 from memplan.estimators import estimate
 from memplan.estimators import kernel_contracts as kc
@@ -197,16 +197,22 @@ def advise(
     trust_remote_code: bool = False,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on. lora_targets
-    defaults to default_lora_targets(spec) and must name linears of the architecture."""
+    defaults to default_lora_targets(spec) and must name linears of the architecture (a list,
+    or a comma-separated string as on the command line)."""
     spec = (
         model
         if isinstance(model, ModelSpec)
         else resolve_model(model, trust_remote_code=trust_remote_code)
     )
     gpu_spec = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu, gpu_mem)
-    for name, value in (("batch", batch), ("seq", seq), ("grad-accum", grad_accum)):
+    optional = {"lora-rank": lora_rank, "flce-chunk": flce_chunk}
+    counts = {"batch": batch, "seq": seq, "grad-accum": grad_accum}
+    counts.update({name: value for name, value in optional.items() if value is not None})
+    for name, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {value!r}")
+    if isinstance(lora_targets, str):
+        lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
     targets = (
         default_lora_targets(spec) if lora_targets is None else tuple(dict.fromkeys(lora_targets))
     )
@@ -225,6 +231,12 @@ def advise(
         flce_chunk=flce_chunk,
     )
     warnings = []
+    entry = substituted_entry(model) if isinstance(model, str) else None
+    if entry is not None:
+        warnings.append(
+            f"{model.strip()!r} is not in the catalog; predicting for the catalog's {entry.key} "
+            f"({entry.hf_id}), the closest name: give a config.json path for another config"
+        )
     if seq > spec.max_position_embeddings:
         warnings.append(
             f"seq {seq} is longer than the model's max_position_embeddings "
@@ -270,7 +282,9 @@ def advise(
         fits=fits,
         headroom_bytes=limit - result.peak_bytes,
         kernel_options=compared,
-        suggestions=[] if fits else suggestions(spec, setup, gpu_spec, supported),
+        suggestions=[]
+        if fits
+        else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk),
         max_batch=max_batch,
         warnings=warnings,
     )
@@ -298,12 +312,18 @@ def recommend(options: list[KernelOption]) -> tuple[str, ...]:
 
 
 def suggestions(
-    spec: ModelSpec, setup: TrainSetup, gpu: Gpu, supported: tuple[str, ...], most: int = 4
+    spec: ModelSpec,
+    setup: TrainSetup,
+    gpu: Gpu,
+    supported: tuple[str, ...],
+    most: int = 4,
+    *,
+    flce_chunk: int | None = None,
 ) -> list[Suggestion]:
     """Changes that make the step fit, in order of what they cost in speed or in what is
     trained: kernels, then micro-batching, then checkpointing, then LoRA. Each with its
-    predicted peak (FLCE's setting chosen as advise chooses it); when nothing fits, the
-    closest."""
+    predicted peak (FLCE's setting chosen as advise chooses it, and the description says so
+    when that replaces the user's `flce_chunk`); when nothing fits, the closest."""
     limit = usable_bytes(gpu)
     kernels = best_kernel_set(supported)
     sequences = setup.batch * setup.grad_accum
@@ -343,6 +363,8 @@ def suggestions(
                     f"{description}; micro-batch {micro} x {sequences // micro} accumulation steps"
                 )
             )
+            if flce_chunk is not None and candidate.flce_chunk != flce_chunk:
+                text += f"; leave out --flce-chunk {flce_chunk} (memplan sets FLCE's chunk)"
             tried.append(Suggestion(description=text, setup=candidate, peak_bytes=peak))
             if peak <= limit:
                 found.append(tried[-1])

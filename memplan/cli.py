@@ -48,7 +48,7 @@ def cli() -> None:
     show_default=True,
     type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit", "adafactor"]),
 )
-@click.option("--grad-checkpointing", is_flag=True)
+@click.option("--grad-checkpointing", is_flag=True, help="recompute each layer in backward")
 @click.option("--attn", default="sdpa", show_default=True, type=click.Choice(["sdpa", "eager"]))
 @click.option("--lora-rank", help="LoRA rank (base weights frozen)")
 @click.option(
@@ -56,7 +56,9 @@ def cli() -> None:
     help="comma list of the linears LoRA adapts (needs --lora-rank); default q_proj,v_proj, "
     "or qkv_proj on fused-qkv models (phi3); each must be a linear of the model",
 )
-@click.option("--grad-accum", default="1", show_default=True)
+@click.option(
+    "--grad-accum", default="1", show_default=True, help="micro-batches per optimizer step"
+)
 @click.option(
     "--kernels",
     default="auto",
@@ -69,7 +71,7 @@ def cli() -> None:
     help="rows per fused-linear-cross-entropy chunk (default: chosen to fit); an error when "
     "--kernels leaves flce out",
 )
-@click.option("--trust-remote-code", is_flag=True)
+@click.option("--trust-remote-code", is_flag=True, help="let a hub id's config run its own code")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def advise(**opts: Any) -> None:
     """Predict the peak memory of a training step and say what to switch on."""
@@ -107,26 +109,37 @@ def advise(**opts: Any) -> None:
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--json", "as_json", is_flag=True, help="print each model's hub id, parameter count and config"
+)
 def models(as_json: bool) -> None:
     """List the catalog of models."""
     from memplan.catalog import list_model_entries
+    from memplan.estimators import count_params
 
     entries = list_model_entries()
     if as_json:
         import json
 
-        click.echo(json.dumps({e.key: e.spec.hf_config for e in entries}, indent=2))
+        listing = {
+            e.key: {
+                "hf_id": e.hf_id,
+                "params": count_params(e.spec).total,
+                "config": e.spec.hf_config,
+            }
+            for e in entries
+        }
+        click.echo(json.dumps(listing, indent=2))
         return
     from rich.table import Table
+
+    from memplan.render import count
 
     table = Table(title="memplan catalog")
     for header in ("name", "hub id", "type", "params", "layers", "hidden", "heads/kv", "vocab"):
         table.add_column(
             header, justify="left" if header in ("name", "hub id", "type") else "right"
         )
-    from memplan.estimators import count_params
-
     for entry in entries:
         spec = entry.spec
         params = count_params(spec).total
@@ -134,7 +147,7 @@ def models(as_json: bool) -> None:
             entry.key,
             entry.hf_id or "",
             spec.model_type,
-            f"{params / 1e9:.2f}B",
+            count(params),
             str(spec.num_hidden_layers),
             str(spec.hidden_size),
             f"{spec.num_attention_heads}/{spec.num_key_value_heads}",

@@ -21,6 +21,16 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GIB:,.2f} GiB"
 
 
+def count(n: int) -> str:
+    """A parameter count with three significant digits: 8.54B, 461K, 12.6M."""
+    value, suffix = float(n), ""
+    for larger in ("K", "M", "B", "T"):
+        if float(f"{value:.3g}") < 1000:
+            break
+        value, suffix = value / 1000, larger
+    return f"{value:.3g}{suffix}"
+
+
 def describe_kernels(kernels: tuple[str, ...]) -> str:
     return ", ".join(kernels) if kernels else "none (plain Hugging Face)"
 
@@ -42,8 +52,8 @@ def print_advice(advice: Advice, console: Console | None = None) -> None:
     if setup.grad_accum > 1:
         options.append(f"grad accumulation {setup.grad_accum}")
     console.print(
-        f"[bold]{advice.model}[/bold]: {est.params / 1e9:.2f}B parameters "
-        f"({est.trainable_params / 1e9:.3f}B trainable); {', '.join(options)}"
+        f"[bold]{advice.model}[/bold]: {count(est.params)} parameters "
+        f"({count(est.trainable_params)} trainable); {', '.join(options)}"
     )
     for warning in advice.warnings:
         console.print(f"[yellow]Warning:[/yellow] {warning}")
@@ -97,13 +107,21 @@ def print_advice(advice: Advice, console: Console | None = None) -> None:
         f"(headroom {gib(advice.headroom_bytes)})."
     )
     step = [p for p in est.timeline if p.phase == "optimizer"]
-    if not advice.fits and step and step[-1].allocated_bytes > limit:
+    weights = est.breakdown.get("weights", 0)
+    if not advice.fits and weights > limit:
+        console.print(
+            f"Why: the weights alone hold {gib(weights)}, more than the {gib(limit)} usable, "
+            "whatever the batch or the trainable parameters: shard them across GPUs (FSDP/ZeRO) "
+            "or load them quantized."
+        )
+    elif not advice.fits and step and step[-1].allocated_bytes > limit:
+        fewer = "" if setup.lora_rank else "fewer trainable parameters (LoRA) or "
         console.print(
             "Why: whatever the batch, the optimizer step alone holds "
             f"{gib(step[-1].allocated_bytes)} "
             f"(weights, their gradients, {setup.optimizer} states and the step's temporaries), "
-            f"more than the {gib(limit)} usable: fewer trainable parameters (LoRA) or sharding "
-            "across GPUs (FSDP/ZeRO) is needed."
+            f"more than the {gib(limit)} usable: {fewer}sharding across GPUs (FSDP/ZeRO) is "
+            "needed."
         )
     elif not advice.fits and est.breakdown:
         name, nbytes = max(est.breakdown.items(), key=lambda kv: kv[1])

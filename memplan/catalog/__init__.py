@@ -9,6 +9,7 @@ from memplan.catalog.models import (
     list_model_entries,
     list_models,
     resolve_model,
+    substituted_entry,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "resolve_gpu",
     "resolve_model",
     "spec_from_config",
+    "substituted_entry",
 ]

@@ -88,6 +88,20 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
     raise MemplanError(f"unknown model {query!r} (run `memplan models` for the catalog)")
 
 
+def substituted_entry(name_or_path: str) -> CatalogModel | None:
+    """The catalog entry resolve_model takes for a name that is neither a catalog name, nor a
+    hub id of the catalog, nor an existing path, but contains or is contained in a catalog key
+    (another checkpoint, e.g. a fine-tune with another context length); None otherwise."""
+    query = name_or_path.strip()
+    if not query or _exact_key(query) is not None or Path(query).expanduser().exists():
+        return None
+    try:
+        key = _substring_key(query)
+    except UsageError:
+        return None
+    return _catalog_model(key) if key is not None else None
+
+
 def _exact_key(query: str) -> str | None:
     lowered = query.lower()
     for key, entry in _entries().items():
