@@ -86,6 +86,12 @@ GRID: list[Config] = [
     Config("qwen2.5-1.5b", 2, 1024, {"grad_accum": 2}),
     Config("gemma-2b", 1, 2048, {"grad_accum": 2}),
     Config("llama-3.2-1b", 4, 1024, {**LORA_QKVO, "grad_accum": 2}),
+    # fp32 without grouped KV heads (SDPA's memory-efficient kernel, not its math path); amp
+    # with LoRA (autocast copies frozen weights on every call, uncached).
+    Config("smollm2-1.7b", 1, 2048, {"precision": "fp32"}),
+    Config("phi-3-mini", 2, 1024, {"precision": "fp32"}, layers=4),
+    Config("llama-3.2-1b", 2, 1024, {**LORA_QV, "precision": "amp-bf16"}),
+    Config("qwen3-0.6b", 2, 1024, {**LORA_QV, "precision": "amp-bf16", "grad_checkpointing": True}),
     # Mixture of experts, cut to 2 layers (router, top-k gather, expert matmuls).
     Config("qwen3-30b-a3b", 2, 1024, layers=2),
     Config("mixtral-8x7b", 1, 1024, layers=2),

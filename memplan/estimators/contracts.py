@@ -136,7 +136,7 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
             out.add("attn.softcap", p * nh * seq)
         out.add("attn.out", p * nh * hd)
         return
-    if p == FP32 and ctx.backend == "cuda" and not masked:
+    if sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):
         # No fused SDPA kernel takes fp32 with grouped KV heads on CUDA: the math path saves
         # the repeated k and v and the fp32 probabilities.
         out.add("attn.qkv", 3 * p * nh * hd)
@@ -145,12 +145,16 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         return
     if ctx.backend == "cuda":
         out.add("attn.rng", constant=2 * INT64)  # philox seed and offset of the fused kernels
-    if masked:
+    memory_efficient = masked or (p == FP32 and ctx.backend == "cuda")
+    if memory_efficient:
         # With a mask HF repeats k and v itself, and the memory-efficient kernel saves its own
-        # copy of the (batch x 1 x seq x seq) mask and a logsumexp padded to 32 positions.
+        # copy of the (batch x 1 x seq x seq) mask and a logsumexp padded to 32 positions. In
+        # fp32 without a mask and without grouped heads (kv == heads), flash attention refuses
+        # fp32 and the same kernel runs, without a mask.
         out.add("attn.qkv", 3 * p * nh * hd)
         out.add("attn.lse", FP32 * nh * (-(-seq // 32) * 32) / seq)
-        out.add("attn.mask", p * seq)
+        if masked:
+            out.add("attn.mask", p * seq)
     else:
         out.add("attn.qkv", p * nh * hd + 2 * p * kv * hd)
         out.add("attn.lse", FP32 * nh)
@@ -158,6 +162,17 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
     hf_attention = "rope" not in ctx.kernels  # memplan's patched attention makes no copy
     if spec.fused_qkv and hf_attention and (ctx.trainable_base or ctx.adapted("o_proj")):
         out.add("attn.o_proj_in", p * nh * hd)  # phi3 reshapes SDPA's output into a copy
+
+
+def sdpa_math_path(spec: ModelSpec, dtypes: DtypePlan, backend: str, masked: bool) -> bool:
+    """Whether CUDA SDPA falls back to its math path, which materializes (heads x seq) fp32
+    probabilities: fp32 q, k, v with grouped KV heads and no mask. transformers passes
+    enable_gqa=True only when there is no mask and the KV heads are grouped
+    (integrations/sdpa_attention.use_gqa_in_sdpa); on CUDA only flash attention and the math
+    path take enable_gqa, and flash attention takes no fp32. Without grouped heads the
+    memory-efficient kernel takes fp32."""
+    grouped = spec.num_key_value_heads < spec.num_attention_heads
+    return dtypes.proj == FP32 and backend == "cuda" and grouped and not masked
 
 
 def attention_masked(ctx: LayerContext) -> bool:
@@ -242,14 +257,23 @@ def layer_saved(ctx: LayerContext) -> Saved:
         norm_saved(
             ctx, out, "norm.post_mlp", spec.hidden_size, d.proj, 0, ctx.trainable_base, gemma_norm
         )
-    if ctx.setup.lora_rank:
+    rank = ctx.setup.lora_rank
+    if rank:
         # peft keeps adapters in fp32 and casts their input to fp32 (autocast_adapter_dtype):
-        # A saves that cast, B saves A's (rank-wide) output.
-        for fan_in, _ in lora_shapes(spec, ctx.setup):
-            out.add("lora", FP32 * (fan_in + ctx.setup.lora_rank))
-    if d.autocast and ctx.trainable_base:
-        # autocast's low-precision copy of every matmul weight, saved by the matmul.
-        out.add("autocast.weights", constant=d.proj * autocast_weight_params(spec))
+        # A saves that cast, B saves A's (rank-wide) output. Under autocast both matmuls save
+        # their low-precision casts instead, and autocast caches a copy of each adapter weight.
+        saved_dtype = d.proj if d.autocast else FP32
+        for fan_in, fan_out in lora_shapes(spec, ctx.setup):
+            out.add("lora", saved_dtype * (fan_in + rank))
+            if d.autocast:
+                out.add("lora.weights", constant=d.proj * rank * (fan_in + fan_out))
+    if d.autocast:
+        # A low-precision copy of every matmul weight, saved by the matmul: the one autocast
+        # caches for a trainable weight, or a frozen weight's own cast on each call (autocast
+        # caches none), saved where the matmul's input needs a gradient (measured on an H200,
+        # llama-3.2-1b amp-bf16 with LoRA on q and v).
+        first = 0 if ctx.needs_input_grad else first_stage_after(ctx.setup.lora_targets)
+        out.add("autocast.weights", constant=d.proj * autocast_weight_params(spec, first))
     return out
 
 
@@ -258,16 +282,38 @@ def gemma_norms(spec: ModelSpec) -> bool:
     return spec.model_type.startswith("gemma")
 
 
-def autocast_weight_params(spec: ModelSpec) -> int:
-    """Weights of one layer that autocast copies to low precision for its matmuls: attention
-    and MLP weights, not biases. MoE experts are cast per expert that receives tokens: at real
-    batch sizes all of them."""
+# The matmuls of a layer in forward order: q/k/v, o, gate/up (MoE: router and experts' gate
+# and up), down. Under LoRA the first layer's input needs no gradient: only the matmuls after the
+# first adapted one have inputs that do.
+LORA_TARGET_STAGE = {
+    "q_proj": 0,
+    "k_proj": 0,
+    "v_proj": 0,
+    "qkv_proj": 0,
+    "o_proj": 1,
+    "gate_proj": 2,
+    "up_proj": 2,
+    "gate_up_proj": 2,
+    "down_proj": 3,
+}
+
+
+def first_stage_after(lora_targets: tuple[str, ...]) -> int:
+    """The first matmul stage whose input needs a gradient when the layer's input does not."""
+    stages = [LORA_TARGET_STAGE[t] for t in lora_targets if t in LORA_TARGET_STAGE]
+    return min(stages) + 1 if stages else len(set(LORA_TARGET_STAGE.values()))
+
+
+def autocast_weight_params(spec: ModelSpec, first_stage: int = 0) -> int:
+    """Weights of one layer that autocast copies to low precision for its matmuls, from
+    first_stage on (LORA_TARGET_STAGE): attention and MLP weights, not biases. MoE experts are
+    cast per expert that receives tokens: at real batch sizes all of them."""
     h, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
-    attention = 2 * h * q_out + 2 * h * kv_out
-    mlp = (
-        h * spec.num_experts + spec.num_experts * 3 * h * spec.moe_intermediate_size
-        if spec.num_experts
-        else 3 * h * spec.intermediate_size
-    )
-    return attention + mlp
+    if spec.num_experts:
+        experts, inner = spec.num_experts, spec.moe_intermediate_size
+        gate_up, down = h * experts + experts * 2 * h * inner, experts * h * inner
+    else:
+        gate_up, down = 2 * h * spec.intermediate_size, h * spec.intermediate_size
+    stages = (h * q_out + 2 * h * kv_out, h * q_out, gate_up, down)
+    return sum(stages[first_stage:])

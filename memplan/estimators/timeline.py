@@ -16,9 +16,11 @@ from memplan.estimators.contracts import (
     DtypePlan,
     LayerContext,
     Saved,
+    attention_masked,
     gemma_norms,
     layer_saved,
     norm_saved,
+    sdpa_math_path,
 )
 from memplan.estimators.params import ParamCounts, count_params, lora_params, lora_shapes
 from memplan.schema import (
@@ -323,8 +325,12 @@ def attention_scores_backward_bytes(
     (heads x seq) scores. In bf16, eager softmax(scores, dtype=float32).to(bf16) holds d(probs)
     (2), its fp32 upcast (4) and the fp32 d(scores) softmax backward writes (4) at once:
     measured on an H200, llama-3.2-1b batch 2 x 2048 with kernels, whose peak falls there. In
-    fp32 (eager, or the math path of CUDA SDPA): d(probs) and d(scores), 4 bytes each."""
-    math_sdpa = dtypes.proj == FP32 and backend == "cuda"
+    fp32 (eager, or the math path of CUDA SDPA in any layer): d(probs) and d(scores), 4 bytes
+    each."""
+    math_sdpa = any(
+        sdpa_math_path(spec, dtypes, backend, attention_masked(ctx))
+        for ctx in layer_contexts(spec, setup, dtypes, backend)
+    )
     if setup.attn != "eager" and not math_sdpa:
         return 0
     per_score = 2 * FP32 if dtypes.proj == FP32 else dtypes.proj + 2 * FP32
