@@ -1,10 +1,11 @@
 """apply/revert: bind memplan's kernels to one model instance, all or nothing, and undo it.
 
-Patching replaces `forward` on module instances only (types.MethodType) and keeps what was
-there, so torch, torch.nn.functional and transformers' modules are never touched and other
-models in the process keep their behaviour. Work is done in two phases: plan (find every
-module, check it has what the generic forward needs; nothing is changed) then install (set the
-forwards; on any failure every one already set is restored)."""
+Patching replaces `forward` on module instances only (types.MethodType, with an instance
+`_replicate_for_data_parallel` that rebinds it on nn.DataParallel's replicas), so torch,
+torch.nn.functional and transformers' modules are never touched and other models in the process
+keep their behaviour. Work is done in two phases: plan (find every module, check it has what
+the generic forward needs; nothing is changed) then install (set the forwards; on any failure
+every one already set is restored)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
     SETUP_OPTIONS,
+    ModelSpec,
     Plan,
 )
 
 _STATE_ATTR = "_memplan_patch_state"
+_REPLICATE = "_replicate_for_data_parallel"
 
 KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {
     "rms_norm": ("memplan.kernels.rms_norm", "rms_norm"),
@@ -173,7 +176,9 @@ def apply(
             raise UsageError("the plan gives flce_chunk and flce_memory_budget; give one")
     chosen = tuple(k for k in KERNEL_NAMES if k in chosen)
 
-    request = (chosen, flce_chunk, flce_memory_budget)
+    # The plan is part of what was asked: the same kernels under another plan (other advice on
+    # batch split or checkpointing) are reported with that plan.
+    request = (chosen, flce_chunk, flce_memory_budget, resolved_plan)
     state: _State | None = getattr(hf_model, _STATE_ATTR, None)
     if state is not None and state.request == request:
         return state.applied
@@ -371,12 +376,12 @@ def _resolve_plan(
     config = hf_model.config
     name = getattr(config, "_name_or_path", None) or config.model_type
     model_spec = spec_from_config(config.to_dict(), name)
-    options = {"gpu": gpu, **_setup_of(model, hf_model), **setup}
+    options = {"gpu": gpu, **_setup_of(model, hf_model, model_spec), **setup}
     options = {k: v for k, v in options.items() if v is not None}
     return advise(model_spec, batch=batch, seq=seq, **options).plan
 
 
-def _setup_of(model: nn.Module, hf_model: nn.Module) -> dict[str, Any]:
+def _setup_of(model: nn.Module, hf_model: nn.Module, model_spec: ModelSpec) -> dict[str, Any]:
     """The advisor's setup options that can be read off the model itself."""
     dtype = next(hf_model.parameters()).dtype
     implementation = getattr(hf_model.config, "_attn_implementation", None)
@@ -392,7 +397,20 @@ def _setup_of(model: nn.Module, hf_model: nn.Module) -> dict[str, Any]:
         lora = next(iter(peft_config.values()))
         if getattr(lora, "r", None):
             setup["lora_rank"] = lora.r
-            setup["lora_targets"] = tuple(sorted(lora.target_modules or ()))
+            # The adapted linears themselves: peft's target_modules may be a regex or
+            # "all-linear" (expanded to qualified names), and may name lm_head or a MoE router,
+            # which the estimator does not model.
+            from memplan.estimators.params import lora_target_modules
+
+            modelled = lora_target_modules(model_spec)
+            adapted = {
+                name.rsplit(".", 1)[-1]
+                for name, module in hf_model.named_modules()
+                if hasattr(module, "lora_A")
+            }
+            targets = tuple(t for t in modelled if t in adapted)
+            if targets:
+                setup["lora_targets"] = targets
     return setup
 
 
@@ -530,7 +548,20 @@ def _install_all(targets: Sequence[_Target]) -> list[_Installed]:
 
 def _install(module: nn.Module, forward: Callable[..., Any]) -> _Installed:
     module.forward = types.MethodType(forward, module)
+    module.__dict__[_REPLICATE] = types.MethodType(_replicate_patched, module)
     return _Installed(module, forward)
+
+
+def _replicate_patched(self: nn.Module) -> nn.Module:
+    """nn.DataParallel's replica of a patched module (torch.nn.parallel.replicate calls this).
+    The class's version copies the instance __dict__, so the replica's forward would stay bound
+    to this module and run its parameters, on its device, instead of the replica's."""
+    replica = type(self)._replicate_for_data_parallel(self)
+    for name in ("forward", _REPLICATE):
+        method = self.__dict__.get(name)
+        if isinstance(method, types.MethodType) and method.__self__ is self:
+            replica.__dict__[name] = types.MethodType(method.__func__, replica)
+    return replica
 
 
 def _restore(installed: Sequence[_Installed]) -> None:
@@ -546,3 +577,4 @@ def _restore(installed: Sequence[_Installed]) -> None:
             )
             continue
         record.module.__dict__.pop("forward", None)
+        record.module.__dict__.pop(_REPLICATE, None)

@@ -221,6 +221,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
         labels = kwargs.get("labels")
         if labels is None or not self.training:
             return unbound(self, **kwargs) if unbound is not None else original(**kwargs)
+        cache_slot = False
         if kwargs.get("use_cache") is None:
             # transformers builds a KV cache in training too (config.use_cache), holding a copy
             # of every layer's keys and values until the forward returns: under autocast (fp32
@@ -228,6 +229,13 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             # is memory nobody reads, alive at the loss. Measured: 0.88 GiB on qwen3-0.6b,
             # batch 4 x 1024, amp-bf16.
             kwargs["use_cache"] = False
+            # HF's tuple output would hold that cache (not under gradient checkpointing, which
+            # turns it off): its slot stays, as None, so hidden states and attentions keep their
+            # positions.
+            base = getattr(self, spec.base_model_attr, None)
+            cache_slot = bool(getattr(self.config, "use_cache", False)) and not getattr(
+                base, "gradient_checkpointing", False
+            )
 
         return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
@@ -288,7 +296,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
                 attentions=outputs.attentions,
                 router_logits=outputs.router_logits,
             )
-        return result if return_dict else _to_tuple(result)
+        return result if return_dict else _to_tuple(result, cache_slot)
 
     # HF's signature, for what inspects the forward: the Trainer keeps only the dataset columns
     # it names, generate() checks it for attention_mask and logits_to_keep.
@@ -296,13 +304,15 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
     return forward
 
 
-def _to_tuple(output: Any) -> tuple[Any, ...]:
-    """output.to_tuple() with the logits slot kept (None): to_tuple drops None fields, which
-    would move hidden states or the cache to where HF's tuple has the logits."""
+def _to_tuple(output: Any, cache_slot: bool) -> tuple[Any, ...]:
+    """output.to_tuple() with the logits slot kept (None), and the cache's where HF would have
+    returned one: to_tuple drops None fields, which would move hidden states or the cache to
+    where HF's tuple has the logits."""
+    kept = ("logits", "past_key_values") if cache_slot else ("logits",)
     return tuple(
         getattr(output, f.name)
         for f in dataclasses.fields(output)
-        if f.name == "logits" or getattr(output, f.name) is not None
+        if f.name in kept or getattr(output, f.name) is not None
     )
 
 
