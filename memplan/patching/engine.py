@@ -245,6 +245,23 @@ def applied_patch(model: nn.Module) -> AppliedPatch | None:
     return state.applied if state is not None else None
 
 
+def displaced_forwards(model: nn.Module) -> list[str]:
+    """Modules whose memplan forward was replaced on the instance after apply by something that
+    does not call it through accelerate's mixed-precision wrapper (e.g. TRL's fused LM head):
+    their kernels no longer run."""
+    hf_model = unwrap(model)
+    state: _State | None = getattr(hf_model, _STATE_ATTR, None)
+    if state is None:
+        return []
+    names = {id(module): name for name, module in hf_model.named_modules()}
+    displaced = []
+    for record in state.installed:
+        held = (record.module.__dict__.get(a) for a in ("forward", "_original_forward"))
+        if all(getattr(f, "__func__", None) is not record.forward for f in held):
+            displaced.append(names.get(id(record.module)) or type(record.module).__name__)
+    return displaced
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model inside PEFT, DDP/FSDP/DataParallel and torch.compile wrappers."""
     from transformers import PreTrainedModel

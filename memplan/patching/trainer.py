@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from transformers import TrainerCallback
 
-from memplan.patching.engine import AppliedPatch, applied_patch, apply, unwrap
+from memplan.errors import MemplanError
+from memplan.patching.engine import (
+    AppliedPatch,
+    applied_patch,
+    apply,
+    displaced_forwards,
+    unwrap,
+)
 from memplan.schema import Plan
 
 
@@ -44,8 +52,26 @@ class MemplanTrainerCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any):
         # A model patched at on_init_end is now inside accelerate's wrapper: left as it is.
-        if model is not None and applied_patch(model) is None:
-            self._apply(args, model)
+        if model is None:
+            return
+        if applied_patch(model) is not None:
+            displaced = displaced_forwards(model)
+            if displaced:
+                warnings.warn(
+                    f"memplan: the forward of {', '.join(displaced)} was replaced after the "
+                    "callback patched it (TRL's SFTTrainer installs its own fused LM head), so "
+                    "memplan's kernels there do not run; the rest of the patch stays",
+                    stacklevel=2,
+                )
+            return
+        if "_original_forward" in unwrap(model).__dict__:
+            raise MemplanError(
+                "the Trainer made this model in train() (model_init), or the callback was added "
+                "after the Trainer was built, and accelerate's mixed-precision wrapper is already "
+                "on its forward, which memplan cannot patch under; call memplan.apply(model) "
+                "inside model_init, or pass the callback to Trainer(callbacks=[...])"
+            )
+        self._apply(args, model)
 
     def _apply(self, args: Any, model: Any) -> None:
         if model is None:

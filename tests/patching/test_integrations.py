@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import memplan.patching as mp
-from memplan.errors import UsageError
+from memplan.errors import MemplanError, UsageError
 from memplan.patching.specs import SPECS
 
 from .tiny_models import assert_grads_close, batch, build, lockstep, rel_err, tiny_config
@@ -252,3 +252,58 @@ def test_patched_model_compiles_without_graph_breaks():
     assert rel_err(out_pat.loss, out_ref.loss) <= 1e-5
     assert_grads_close(reference, patched, 1e-5)
     assert mp.applied_patch(compiled) is not None
+
+
+def test_trainer_callback_late_under_mixed_precision_says_where_to_patch(tmp_path):
+    """model_init builds the model inside train(), after on_init_end and before on_train_begin
+    sees it inside accelerate's autocast wrapper: one clear error saying where to patch."""
+    from transformers import Trainer
+
+    trainer = Trainer(
+        model_init=lambda *_: build("llama"),
+        args=_training_args(tmp_path, bf16=True),
+        train_dataset=_Tokens(8),
+        callbacks=[mp.MemplanTrainerCallback()],
+    )
+    with pytest.raises(MemplanError, match="inside model_init"):
+        trainer.train()
+
+
+def test_trainer_callback_late_without_mixed_precision_patches(tmp_path):
+    from transformers import Trainer
+
+    callback = mp.MemplanTrainerCallback(kernels=["rms_norm", "flce"])
+    trainer = Trainer(model=build("llama"), args=_training_args(tmp_path), train_dataset=_Tokens(8))
+    trainer.add_callback(callback)
+    trainer.train()
+    assert mp.applied_patch(trainer.model) is callback.applied is not None
+
+
+def test_trainer_callback_warns_when_another_library_replaces_the_patched_forward(tmp_path):
+    """TRL's SFTTrainer (1.x) wraps the causal-LM forward with its own fused LM head after the
+    Trainer is built: memplan's loss kernels no longer run, which the callback says."""
+    import functools
+    import types
+
+    from transformers import Trainer
+
+    callback = mp.MemplanTrainerCallback(kernels=["rms_norm", "flce"])
+    model = build("llama")
+    trainer = Trainer(
+        model=model, args=_training_args(tmp_path), train_dataset=_Tokens(8), callbacks=[callback]
+    )
+    patched_forward = model.forward
+
+    @functools.wraps(type(model).forward)  # HF's signature: the Trainer keeps the input columns
+    def their_forward(self, *args, **kwargs):
+        return patched_forward(*args, **kwargs)
+
+    model.forward = types.MethodType(their_forward, model)
+    with pytest.warns(UserWarning, match="replaced after the callback patched it"):
+        trainer.train()
+
+
+def test_trainer_callback_does_not_warn_under_accelerates_wrapper(tmp_path, recwarn):
+    callback = mp.MemplanTrainerCallback(kernels=["rms_norm", "flce"])
+    _train_with_trainer(build("llama"), tmp_path, [callback], bf16=True)
+    assert not [w for w in recwarn if "memplan" in str(w.message)]
