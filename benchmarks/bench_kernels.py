@@ -155,13 +155,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # rotates q/k in place; in-place backwards overwrite dy or the saved gate/up).
 
 
-def _leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device="cuda") * scale).to(DTYPE).requires_grad_()
+def _activation(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    """An input that requires grad and is not a leaf, as a layer's activations are: the in-place
+    options write over activations, never over leaves (parameters), which they leave alone."""
+    leaf = (torch.randn(*shape, device="cuda") * scale).to(DTYPE).requires_grad_()
+    return leaf * 1
 
 
 def _norm_case(module: torch.nn.Module, rows: int, hidden: int) -> Case:
     torch.manual_seed(0)
-    x = _leaf(rows, hidden)
+    x = _activation(rows, hidden)
     dy = torch.randn_like(x)
     params = [p for p in module.parameters()]
     return Case(lambda: (module(x),), [x, *params], (dy,))
@@ -223,8 +226,8 @@ def rope_cases(
         def factory() -> Case:
             torch.manual_seed(0)
             # As in the attention layer: projections (B, S, heads * D) seen as (B, heads, S, D).
-            q_proj = _leaf(batch, seq, n_q * head_dim)
-            k_proj = _leaf(batch, seq, n_kv * head_dim)
+            q_proj = _activation(batch, seq, n_q * head_dim)
+            k_proj = _activation(batch, seq, n_kv * head_dim)
             inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim))
             freqs = torch.outer(torch.arange(seq, device="cuda", dtype=torch.float32), inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)[None]
@@ -258,7 +261,7 @@ def _glu_cases(
     def make(fn: Callable) -> Callable[[], Case]:
         def factory() -> Case:
             torch.manual_seed(0)
-            gate, up = _leaf(rows, cols, scale=2.0), _leaf(rows, cols)
+            gate, up = _activation(rows, cols, scale=2.0), _activation(rows, cols)
             dout = torch.randn_like(gate)
             return Case(lambda: (fn(gate, up),), [gate, up], (dout,))
 

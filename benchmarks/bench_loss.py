@@ -140,7 +140,8 @@ def ce_methods():
 
 def measure_cross_entropy(method, n_rows: int, vocab: int) -> tuple[float, float, int]:
     """(forward ms, forward+backward ms, peak bytes of forward+backward)."""
-    x = (torch.randn(n_rows, vocab, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    # Logits as a model makes them (not a leaf): the in-place gradient is not written over leaves.
+    x = (torch.randn(n_rows, vocab, device="cuda") * 2).to(torch.bfloat16).requires_grad_() * 1
     t = torch.randint(0, vocab, (n_rows,), device="cuda")
     t[::100] = -100
     grads = []

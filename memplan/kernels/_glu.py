@@ -30,7 +30,9 @@ from memplan.kernels._utils import (
     cdiv,
     check_floating,
     elementwise_launch_config,
+    first_order_only,
     load_fp32,
+    may_write_over,
     memory_overlaps,
     on_device,
     use_custom_op,
@@ -82,7 +84,7 @@ class GluOp:
         g2, u2 = as_rows(gate), as_rows(up)
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         n_rows, n_cols = g2.shape
-        if n_rows == 0:
+        if out.numel() == 0:  # no rows, or rows of 0 elements
             return out
         rows, block, num_warps = elementwise_launch_config(n_cols)
         n_col_blocks = cdiv(n_cols, block)
@@ -123,9 +125,9 @@ class GluOp:
         if dup is None:
             dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
         dg2, du2 = as_rows(dgate), as_rows(dup)
-        p2 = du2 if product is None else product.view(-1, product.shape[-1])
         n_rows, n_cols = g2.shape
-        if n_rows == 0:
+        p2 = du2 if product is None else product.view(n_rows, n_cols)
+        if dgate.numel() == 0:
             return dgate, dup
         rows, block, num_warps = elementwise_launch_config(n_cols)
         n_col_blocks = cdiv(n_cols, block)
@@ -176,6 +178,7 @@ class GluOp:
             lambda dout, gate, up: (gate.new_empty(gate.shape), up.new_empty(up.shape))
         )
 
+        @first_order_only
         def gradients(ctx, dout):
             """Gradients of (gate, up, in_place_backward); out of place under the custom op."""
             gate, up = ctx.saved_tensors
@@ -215,6 +218,7 @@ class GluOp:
                 return F.linear(forward(gate, up), weight, bias)
 
             @staticmethod
+            @first_order_only
             def backward(ctx, d_out):
                 gate, up, weight = ctx.saved_tensors
                 d_weight = d_bias = None
@@ -259,7 +263,8 @@ class GluOp:
 
 def _in_place_allowed(ctx, gate: torch.Tensor, up: torch.Tensor) -> bool:
     """The gradients may go over the saved gate and up: the caller allowed it, both gradients
-    are wanted, and gate and up are contiguous and do not share elements (swiglu(y, y))."""
+    are wanted, gate and up are contiguous, do not share elements (swiglu(y, y)) and are not
+    leaves (or views of leaves) that require grad, whose values would become their gradients."""
     return (
         ctx.in_place_backward
         and ctx.needs_input_grad[0]
@@ -267,6 +272,8 @@ def _in_place_allowed(ctx, gate: torch.Tensor, up: torch.Tensor) -> bool:
         and gate.is_contiguous()
         and up.is_contiguous()
         and not memory_overlaps(gate, up)
+        and may_write_over(gate)
+        and may_write_over(up)
     )
 
 

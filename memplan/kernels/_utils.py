@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -104,6 +105,41 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def first_order_only(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for an autograd backward whose gradients come from kernels, outside autograd.
+    Under create_graph=True they would enter the graph as constants, and a second derivative
+    through them would silently lack this op's curvature (torch's once_differentiable only
+    catches gradient outputs that require grad, not the saved inputs the gradients depend on):
+    there they are tied to a node that raises when differentiated. Otherwise a plain call."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        single = not isinstance(outputs, tuple)
+        outputs = (outputs,) if single else outputs
+        error = torch._C._functions.DelayedError(
+            b"memplan's fused kernels give first derivatives only: a double backward (a "
+            b"gradient of a gradient) through them is not supported",
+            len(outputs),
+        )
+        tied = error(*[_requiring_grad(t) for t in outputs])
+        tied = tied if isinstance(tied, tuple) else (tied,)  # one output comes back bare
+        return tied[0] if single else tied
+
+    return wrapper
+
+
+def _requiring_grad(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach()
+    t.requires_grad_(True)
+    return t
+
+
 def check_floating(op: str, *tensors: torch.Tensor) -> None:
     """UsageError unless every tensor is floating point (the kernels compute in fp32 and would
     return zeros for integers, where torch raises)."""
@@ -127,6 +163,14 @@ def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
+
+
+def may_write_over(t: torch.Tensor) -> bool:
+    """Whether an in-place kernel may overwrite t's elements: not a leaf that requires grad, nor
+    a view of one (torch refuses its own in-place ops there; a parameter would silently take
+    the values of its gradient)."""
+    base = t if t._base is None else t._base
+    return not (base.is_leaf and base.requires_grad)
 
 
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -229,17 +273,20 @@ def load_fp32(ptr, mask, EVICT_FIRST: tl.constexpr):
 
 def flatten_rows(x: torch.Tensor) -> torch.Tensor:
     """View x as (rows, last_dim), contiguous."""
-    return x.contiguous().view(-1, x.shape[-1])
+    return x.contiguous().view(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View x as (rows, last_dim) with unit column stride, for kernels that take a row stride.
     Copies only when no such view exists (a transposed last dim, non-collapsible leading dims).
     The row stride of the result may be anything, even 0 (an expanded tensor): read-only use."""
-    n_cols = x.shape[-1]
+    if x.dim() == 0:
+        return x.view(1, 1)
+    # The row count is explicit: view(-1, 0) cannot infer it for a last dim of 0.
+    n_rows, n_cols = math.prod(x.shape[:-1]), x.shape[-1]
     if x.stride(-1) == 1 or n_cols == 1:
         try:
-            return x.view(-1, n_cols)
+            return x.view(n_rows, n_cols)
         except RuntimeError:
             pass
-    return x.contiguous().view(-1, n_cols)
+    return x.contiguous().view(n_rows, n_cols)

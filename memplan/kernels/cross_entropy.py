@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from memplan.errors import UsageError
-from memplan.kernels._utils import cdiv, next_power_of_2
+from memplan.kernels._utils import cdiv, first_order_only, may_write_over, next_power_of_2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -573,6 +573,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@first_order_only
 def _backward(ctx, grad_loss, grad_z_loss, grad_grad):
     (grad,) = ctx.saved_tensors
     if grad_loss is None:
@@ -599,6 +600,7 @@ class _CrossEntropyInPlace(torch.autograd.Function):
         return loss, z_loss
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss, grad_z_loss):
         (grad,) = ctx.saved_tensors
         if grad_loss is None:
@@ -634,8 +636,23 @@ def check_loss_options(
             isinstance(num_items_in_batch, bool) or not num_items_in_batch > 0
         ):
             raise UsageError(f"num_items_in_batch must be positive, got {num_items_in_batch!r}")
+        if isinstance(num_items_in_batch, Tensor) and (
+            num_items_in_batch.numel() != 1 or num_items_in_batch.dtype == torch.bool
+        ):
+            # (its value is not checked: that would cost a host sync per call)
+            raise UsageError(
+                "num_items_in_batch must be a number or a one-element numeric tensor, got a "
+                f"{num_items_in_batch.dtype} tensor of shape {tuple(num_items_in_batch.shape)}"
+            )
     if not isinstance(ignore_index, int):
         raise UsageError(f"ignore_index must be an int, got {ignore_index!r}")
+
+
+def check_target(op: str, target: Tensor) -> None:
+    """UsageError unless target holds integer class indices: a bool or floating-point target
+    would be cast to class 0/1 or truncated (torch's cross entropy refuses both)."""
+    if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
+        raise UsageError(f"{op} expects integer class targets, got {target.dtype}")
 
 
 def divisor_tensor(num_items_in_batch: int | Tensor | None, device: torch.device) -> Tensor | None:
@@ -664,7 +681,8 @@ def cross_entropy(
 
     The gradient is computed in the forward: into a new buffer of the logits' dtype, or, with
     inplace_grad=True, over the logits themselves (the caller promises not to read the logits
-    again; autograd then saves nothing new). z-loss (z_loss_scale * lse^2 per token) is part of
+    again; autograd then saves nothing new; logits whose rows share elements, or a leaf that
+    requires grad, get a new buffer instead). z-loss (z_loss_scale * lse^2 per token) is part of
     the loss; return_z_loss also returns it alone, detached, for logging."""
     check_loss_options(
         ignore_index, label_smoothing, softcap, z_loss_scale, reduction, num_items_in_batch
@@ -674,15 +692,21 @@ def cross_entropy(
             f"cross_entropy expects logits (N, V) and target (N,), got {tuple(logits.shape)} "
             f"and {tuple(target.shape)}"
         )
-    if not logits.is_floating_point() or target.is_floating_point():
-        raise UsageError("cross_entropy expects floating-point logits and integer targets")
+    if not logits.is_floating_point():
+        raise UsageError(f"cross_entropy expects floating-point logits, got {logits.dtype}")
+    check_target("cross_entropy", target)
+    if logits.shape[1] == 0:
+        raise UsageError("cross_entropy needs logits over at least one class, got V = 0")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     target = target.to(torch.int64).contiguous()
     divisor = divisor_tensor(num_items_in_batch, logits.device)
     options = (ignore_index, float(label_smoothing), float(softcap or 0.0), float(z_loss_scale))
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    if inplace_grad and need_grad:
+    # Rows that share elements (an expanded (1, V) row, stride 0) cannot each hold their own
+    # gradient: one row's gradient would overwrite logits another row still reads.
+    rows_overlap = logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]
+    if inplace_grad and need_grad and not rows_overlap and may_write_over(logits):
         loss, z_loss = _CrossEntropyInPlace.apply(logits, target, divisor, *options, reduction)
     else:
         loss, z_loss, _ = _cross_entropy_op(logits, target, divisor, *options, reduction, need_grad)

@@ -32,8 +32,10 @@ from memplan.estimators.kernel_contracts import (
     flce_default_chunk,
 )
 from memplan.estimators.kernel_contracts import flce_schedule as contract_schedule
+from memplan.kernels._utils import check_floating, first_order_only
 from memplan.kernels.cross_entropy import (
     check_loss_options,
+    check_target,
     divisor_tensor,
     grad_scale,
     launch_cross_entropy_forward,
@@ -427,6 +429,7 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(*output[3:])
 
 
+@first_order_only
 def _backward(ctx, grad_loss, *unused):
     if grad_loss is None:
         return (None,) * 17
@@ -501,6 +504,13 @@ def fused_linear_cross_entropy(
             "fused_linear_cross_entropy expects hidden (N, H), weight (V, H), target (N,) and "
             f"bias (V,) or None, got {tuple(hidden.shape)}, {tuple(weight.shape)}, "
             f"{tuple(target.shape)}, {None if bias is None else tuple(bias.shape)}"
+        )
+    check_floating("fused_linear_cross_entropy", hidden, weight)
+    check_target("fused_linear_cross_entropy", target)
+    if hidden.shape[1] == 0 or weight.shape[0] == 0:
+        raise UsageError(
+            "fused_linear_cross_entropy needs a hidden size and a vocabulary of at least 1, got "
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}"
         )
     device_type = hidden.device.type
     if not hidden.is_meta and torch.is_autocast_enabled(device_type):

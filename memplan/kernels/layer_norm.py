@@ -21,6 +21,7 @@ from memplan.kernels._utils import (
     as_rows,
     cdiv,
     check_floating,
+    first_order_only,
     norm_backward_config,
     norm_forward_config,
     on_device,
@@ -158,7 +159,7 @@ def layer_norm_forward(
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    if n_rows == 0:
+    if y.numel() == 0:  # no rows, or rows of 0 elements (as torch's layer_norm: empty output)
         return y, mean, rstd
     block_n, rows, num_warps = norm_forward_config(n_cols)
     with on_device(x):
@@ -198,7 +199,7 @@ def layer_norm_backward(
     n_rows, n_cols = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_partials = int(compute_dw) + int(compute_db)
-    if n_rows == 0:
+    if dx.numel() == 0:  # no rows, or rows of 0 elements
         return dx, weight.new_zeros((n_partials, n_cols))
     config = norm_backward_config(n_rows, n_cols, x.device, "layer_norm")
     n_programs = config.n_programs
@@ -272,6 +273,7 @@ def _save(ctx, x, weight, mean, rstd, has_bias) -> None:
     ctx.has_bias = has_bias
 
 
+@first_order_only
 def _backward(ctx, dy, *_unused):
     """Gradients of (x, weight, bias, eps); shared by the custom op's autograd (torch.compile,
     fake and meta tensors) and the eager autograd.Function."""
@@ -315,6 +317,8 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """Fused LayerNorm over the last dim of x (any leading shape); bias may be None."""
+    if x.dim() == 0:
+        raise UsageError("layer_norm normalizes the last dim of x, which has none (a 0-d tensor).")
     if weight.shape != (x.shape[-1],) or (bias is not None and bias.shape != weight.shape):
         raise UsageError(
             f"LayerNorm weight/bias of shape {tuple(weight.shape)} do not match hidden size "

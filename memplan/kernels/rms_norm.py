@@ -25,6 +25,7 @@ from memplan.kernels._utils import (
     as_rows,
     cdiv,
     check_floating,
+    first_order_only,
     load_fp32,
     norm_backward_config,
     norm_forward_config,
@@ -171,7 +172,7 @@ def rms_norm_forward(
     n_rows, n_cols = x2.shape
     y = torch.empty(x.shape, dtype=_output_dtype(x, weight, gemma), device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    if n_rows == 0:
+    if y.numel() == 0:  # no rows, or rows of 0 elements (as torch's rms_norm: empty output)
         return y, rstd
     block_n, rows, num_warps = norm_forward_config(n_cols)
     with on_device(x):
@@ -211,8 +212,8 @@ def rms_norm_backward(
     n_rows, n_cols = x2.shape
     if dx is None:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dx2 = dx.view(-1, n_cols)
-    if n_rows == 0:
+    dx2 = dx.view(n_rows, n_cols)
+    if dx.numel() == 0:
         return dx, torch.zeros_like(weight) if compute_dw else None
     config = norm_backward_config(n_rows, n_cols, x.device, "rms_norm")
     n_programs = config.n_programs
@@ -312,6 +313,7 @@ def _save(ctx, x, weight, rstd, offset, gemma, in_place_backward) -> None:
     ctx.offset, ctx.gemma, ctx.in_place_backward = offset, gemma, in_place_backward
 
 
+@first_order_only
 def _backward(ctx, dy, *_unused):
     """Gradients of (x, weight, eps, offset, gemma, in_place_backward); shared by the custom
     op's autograd (torch.compile, fake and meta tensors: backward through the custom ops) and
@@ -372,6 +374,8 @@ def rms_norm(
     """Fused RMSNorm over the last dim of x (any leading shape). See the module docstring."""
     if casting not in CASTING_MODES:
         raise UsageError(f"casting must be one of {CASTING_MODES}, got {casting!r}.")
+    if x.dim() == 0:
+        raise UsageError("rms_norm normalizes the last dim of x, which has none (a 0-d tensor).")
     if weight.shape != (x.shape[-1],):
         raise UsageError(
             f"RMSNorm weight of shape {tuple(weight.shape)} does not match hidden size "

@@ -19,10 +19,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from memplan.errors import UsageError
 from memplan.kernels._utils import (
     check_floating,
+    may_write_over,
     memory_overlaps,
     next_power_of_2,
     on_device,
@@ -274,6 +276,7 @@ def _(dq, dk, cos, sin, unsqueeze_dim):
     return torch.empty_like(dq), torch.empty_like(dk)
 
 
+@once_differentiable  # linear in dq and dk: a second derivative only through them
 def _backward(ctx, dq, dk):
     """Gradients of (q, k, cos, sin, unsqueeze_dim); shared by the custom op's autograd
     (torch.compile, fake and meta tensors) and the eager autograd.Function."""
@@ -351,9 +354,14 @@ def rope(
     casts back).
 
     in_place: rotate q and k in their own memory, and their gradients in dq and dk's (the
-    caller must not read the unrotated q, k afterwards; under torch.compile the functional op
-    runs instead and the returned tensors are new)."""
+    caller must not read the unrotated q, k afterwards; under torch.compile, and for expanded
+    q or k or leaves that require grad, the out-of-place op runs instead and the returned
+    tensors are new)."""
     _check_shapes(q, k, cos, sin, unsqueeze_dim)
+    # Elements shared by several positions (an expanded q or k) would be rotated once per
+    # position, each rotation reading another's output; a leaf that requires grad (or a view of
+    # one) must keep its values: those are rotated out of place.
+    in_place = in_place and _distinct_elements(q, k) and may_write_over(q) and may_write_over(k)
     if use_custom_op(q):
         return torch.ops.memplan.rope(q, k, cos, sin, unsqueeze_dim)
     return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, in_place)

@@ -53,8 +53,10 @@ def run_and_compare(op, reference, gate, up, dtype, in_place=False):
 @pytest.mark.parametrize("in_place", [False, True])
 def test_matches_reference(device, op, reference, dtype, in_place):
     torch.manual_seed(0)
-    gate = (torch.randn(5, 123, 127, device=device) * 3).to(dtype).requires_grad_()
-    up = torch.randn(5, 123, 127, device=device, dtype=dtype, requires_grad=True)
+    gate_leaf = (torch.randn(5, 123, 127, device=device) * 3).to(dtype).requires_grad_()
+    up_leaf = torch.randn(5, 123, 127, device=device, dtype=dtype, requires_grad=True)
+    # projection outputs, as in a model: leaves that require grad keep their values
+    gate, up = gate_leaf * 1, up_leaf * 1
     gate_before = gate.detach().clone()
     d_gate, d_up = run_and_compare(op, reference, gate, up, dtype, in_place)
     # in place, the gradients live in the saved gate/up buffers; otherwise those are untouched
