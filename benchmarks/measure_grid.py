@@ -92,6 +92,30 @@ GRID: list[Config] = [
     Config("phi-3-mini", 2, 1024, {"precision": "fp32"}, layers=4),
     Config("llama-3.2-1b", 2, 1024, {**LORA_QV, "precision": "amp-bf16"}),
     Config("qwen3-0.6b", 2, 1024, {**LORA_QV, "precision": "amp-bf16", "grad_checkpointing": True}),
+    # Combinations not measured before (session 9): adapters on the MLP (the GLU kernels keep
+    # nn.Linear's call), LoRA in fp32 and under amp on other families, fp16 autocast,
+    # checkpointing with eager attention and with accumulation.
+    Config(
+        "llama-3.2-1b",
+        2,
+        1024,
+        {"lora_rank": 16, "lora_targets": ("gate_proj", "up_proj", "down_proj")},
+    ),
+    Config("qwen2.5-1.5b", 2, 1024, {**LORA_QV, "precision": "fp32"}),
+    Config("gemma-3-1b", 2, 1024, {**LORA_QV, "precision": "amp-bf16"}),
+    Config(
+        "phi-3-mini",
+        2,
+        1024,
+        {"lora_rank": 16, "lora_targets": ("qkv_proj",), "precision": "amp-bf16"},
+        layers=4,
+    ),
+    Config("qwen3-0.6b", 2, 1024, {"precision": "amp-fp16"}),
+    Config("llama-3.2-1b", 2, 2048, {"attn": "eager", "grad_checkpointing": True}),
+    Config("qwen3-0.6b", 2, 1024, {**LORA_QV, "grad_checkpointing": True, "grad_accum": 2}),
+    Config("qwen3-30b-a3b", 1, 1024, {**LORA_QV, "precision": "amp-bf16"}, layers=2),
+    Config("qwen3-30b-a3b", 1, 1024, {"precision": "amp-bf16"}, layers=2),
+    Config("mixtral-8x7b", 1, 512, {"precision": "amp-bf16"}, layers=2),
     # Mixture of experts, cut to 2 layers (router, top-k gather, expert matmuls).
     Config("qwen3-30b-a3b", 2, 1024, layers=2),
     Config("mixtral-8x7b", 1, 1024, layers=2),

@@ -91,29 +91,46 @@ def assert_saved(model_type: str, expected: int, measured: int) -> None:
         assert expected == measured
 
 
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @pytest.mark.parametrize(
-    "model_type,targets",
+    "model_type,targets,precision",
     [
-        ("llama", ("q_proj", "k_proj", "v_proj", "o_proj")),
-        ("qwen3", ("q_proj", "v_proj")),
-        ("gemma", ("q_proj", "v_proj", "gate_proj")),
-        ("phi3", ("qkv_proj",)),
-        ("mixtral", ("q_proj", "v_proj")),
+        ("llama", ("q_proj", "k_proj", "v_proj", "o_proj"), "bf16"),
+        ("qwen3", ("q_proj", "v_proj"), "bf16"),
+        ("gemma", ("q_proj", "v_proj", "gate_proj"), "bf16"),
+        ("phi3", ("qkv_proj",), "bf16"),
+        ("mixtral", ("q_proj", "v_proj"), "bf16"),
+        # The first layer saves nothing before its first adapter; a frozen down_proj saves no
+        # input; in fp32 adapters that share an input save it once.
+        ("llama", ("gate_proj", "up_proj", "down_proj"), "bf16"),
+        ("llama", ("o_proj",), "bf16"),
+        ("llama", ("gate_proj", "up_proj", "down_proj"), "fp32"),
+        ("llama", ALL_LINEAR, "fp32"),
+        ("qwen2", ("q_proj", "v_proj"), "fp32"),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
-    model_type: str, targets: tuple[str, ...], saved_storage_bytes
+    model_type: str, targets: tuple[str, ...], precision: str, saved_storage_bytes
 ) -> None:
-    """peft LoRA (fp32 adapters on a frozen bf16 base): only what the adapters' gradients need."""
+    """peft LoRA (fp32 adapters on a frozen base): only what the adapters' gradients need."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=list(targets), lora_dropout=0.0)
     model = peft.get_peft_model(model, config).train()
     measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=False)
     spec = spec_from_config(probe_config(model_type))
-    setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], lora_rank=16, lora_targets=targets)
+    setup = TrainSetup(
+        batch=PROBE["batch"],
+        seq=PROBE["seq"],
+        precision=precision,
+        lora_rank=16,
+        lora_targets=targets,
+    )
     assert_saved(
         model_type, forward_saved(spec, setup, backend="cpu", rounded=False).total, measured
     )

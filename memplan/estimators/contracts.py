@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.estimators import kernel_contracts as kc
-from memplan.estimators.params import lora_shapes
+from memplan.estimators.params import LORA_TARGET_SHAPES, lora_targets_modelled
 from memplan.schema import GLU_KERNEL_BY_ACTIVATION, ModelSpec, TrainSetup
 
 FP32 = 4
@@ -69,6 +69,12 @@ class LayerContext:
     def adapted(self, *modules: str) -> bool:
         return any(m in self.setup.lora_targets for m in modules) if self.setup.lora_rank else True
 
+    def output_needs_grad(self, stage: int) -> bool:
+        """Whether the output of a matmul stage (LORA_TARGET_STAGE: 0 q/k/v, 1 o, 2 gate/up, 3
+        down) needs a gradient: always, but in the first layer under LoRA only from the first
+        adapted stage on; before it nothing needs a gradient and nothing is saved."""
+        return self.needs_input_grad or first_stage_after(self.setup.lora_targets) <= stage + 1
+
     sliding: bool  # this layer attends through a sliding window
 
     @property
@@ -109,6 +115,8 @@ def norm_saved(
 
 
 def attention_saved(ctx: LayerContext, out: Saved) -> None:
+    if not ctx.output_needs_grad(0):
+        return
     spec, d = ctx.spec, ctx.dtypes
     nh, kv, hd = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
     p = d.proj
@@ -134,14 +142,16 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add("attn.probs", FP32 * nh * seq + (p * nh * seq if p < FP32 else 0))
         if spec.attn_logit_softcapping:
             out.add("attn.softcap", p * nh * seq)
-        out.add("attn.out", p * nh * hd)
+        if o_input_kept(ctx):
+            out.add("attn.out", p * nh * hd)
         return
     if sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):
         # No fused SDPA kernel takes fp32 with grouped KV heads on CUDA: the math path saves
         # the repeated k and v and the fp32 probabilities.
         out.add("attn.qkv", 3 * p * nh * hd)
         out.add("attn.probs", FP32 * nh * seq)
-        out.add("attn.out", p * nh * hd)
+        if o_input_kept(ctx):
+            out.add("attn.out", p * nh * hd)
         return
     if ctx.backend == "cuda":
         out.add("attn.rng", constant=2 * INT64)  # philox seed and offset of the fused kernels
@@ -164,6 +174,19 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add("attn.o_proj_in", p * nh * hd)  # phi3 reshapes SDPA's output into a copy
 
 
+def o_input_kept(ctx: LayerContext) -> bool:
+    """Whether o_proj's input, a contiguous copy of the eager or math-path attention output
+    (nothing else keeps it), is saved: by a trainable o_proj, or by its adapter in fp32, which
+    casts nothing (under bf16 weights or autocast the adapter keeps its own cast instead)."""
+    return ctx.trainable_base or (ctx.adapted("o_proj") and adapters_share_inputs(ctx.dtypes))
+
+
+def adapters_share_inputs(dtypes: DtypePlan) -> bool:
+    """fp32 weights without autocast: peft's fp32 adapters take their input as it is, so
+    adapters that read the same tensor save it once."""
+    return dtypes.param == FP32 and not dtypes.autocast
+
+
 def sdpa_math_path(spec: ModelSpec, dtypes: DtypePlan, backend: str, masked: bool) -> bool:
     """Whether CUDA SDPA falls back to its math path, which materializes (heads x seq) fp32
     probabilities: fp32 q, k, v with grouped KV heads and no mask. transformers passes
@@ -184,6 +207,8 @@ def attention_masked(ctx: LayerContext) -> bool:
 
 def mlp_saved(ctx: LayerContext, out: Saved) -> None:
     spec, p = ctx.spec, ctx.dtypes.proj
+    if not ctx.output_needs_grad(2 if not spec.num_experts else 1):
+        return  # the MLP's input and its gate/up outputs need no gradient (experts: no adapters)
     if spec.num_experts:
         moe_saved(ctx, out)
         return
@@ -194,18 +219,19 @@ def mlp_saved(ctx: LayerContext, out: Saved) -> None:
     else:
         out.add("mlp.gate_up", 2 * p * inter)  # gate for the activation, up for the product
         out.add("mlp.act", p * inter)
-    down_adapted = ctx.setup.lora_rank is not None and "down_proj" in ctx.setup.lora_targets
-    # The GLU kernel runs a plain down_proj itself and recomputes the product in backward
-    # (memplan.kernels._glu.recompute_product); autocast and adapters keep nn.Linear's call.
-    recomputed = glu in ctx.kernels and not ctx.dtypes.autocast and not down_adapted
-    if (ctx.trainable_base or down_adapted) and not recomputed:
+    # down_proj keeps its input for its weight's gradient: not when frozen (an adapter keeps its
+    # own cast, counted with the adapters), nor when the GLU kernel runs a plain down_proj itself
+    # and recomputes the product in backward (memplan.kernels._glu.recompute_product).
+    recomputed = glu in ctx.kernels and not ctx.dtypes.autocast
+    if ctx.trainable_base and not recomputed:
         out.add("mlp.down_in", p * inter)
 
 
 def moe_saved(ctx: LayerContext, out: Saved) -> None:
     """transformers 5's sparse MoE block: router softmax in fp32, top-k, then each routed row
-    (tokens x k of them) goes through gathered expert matmuls."""
-    spec, p = ctx.spec, ctx.dtypes.proj
+    (tokens x k of them) goes through gathered expert matmuls. Those (grouped_mm) are not
+    autocast ops: under autocast they run in the weights' dtype and copy no weight."""
+    spec, p = ctx.spec, ctx.dtypes.param
     e, k, inter, h = (
         spec.num_experts,
         spec.num_experts_per_tok,
@@ -245,26 +271,59 @@ def layer_saved(ctx: LayerContext) -> Saved:
         input_requires_grad=ctx.needs_input_grad,
     )
     attention_saved(ctx, out)
+    after_attention = ctx.output_needs_grad(1)
     if spec.sandwich_norm:
         norm_saved(
-            ctx, out, "norm.post_attn", spec.hidden_size, d.proj, 0, ctx.trainable_base, gemma_norm
+            ctx,
+            out,
+            "norm.post_attn",
+            spec.hidden_size,
+            d.proj,
+            0,
+            ctx.trainable_base,
+            gemma_norm,
+            input_requires_grad=after_attention,
         )
     norm_saved(
-        ctx, out, "norm.mlp", spec.hidden_size, p_res, mlp_consumers, ctx.trainable_base, gemma_norm
+        ctx,
+        out,
+        "norm.mlp",
+        spec.hidden_size,
+        p_res,
+        mlp_consumers,
+        ctx.trainable_base,
+        gemma_norm,
+        input_requires_grad=after_attention,
     )
     mlp_saved(ctx, out)
     if spec.sandwich_norm:
         norm_saved(
-            ctx, out, "norm.post_mlp", spec.hidden_size, d.proj, 0, ctx.trainable_base, gemma_norm
+            ctx,
+            out,
+            "norm.post_mlp",
+            spec.hidden_size,
+            d.proj,
+            0,
+            ctx.trainable_base,
+            gemma_norm,
+            input_requires_grad=ctx.output_needs_grad(3),
         )
     rank = ctx.setup.lora_rank
     if rank:
         # peft keeps adapters in fp32 and casts their input to fp32 (autocast_adapter_dtype):
         # A saves that cast, B saves A's (rank-wide) output. Under autocast both matmuls save
         # their low-precision casts instead, and autocast caches a copy of each adapter weight.
+        # In fp32 nothing is cast: adapters that read the same input save it once, and o_proj's
+        # adapter saves attention's output, which attention_saved counts (attn.out).
         saved_dtype = d.proj if d.autocast else FP32
-        for fan_in, fan_out in lora_shapes(spec, ctx.setup):
-            out.add("lora", saved_dtype * (fan_in + rank))
+        shared_input = adapters_share_inputs(d)
+        inputs_saved = {LORA_TARGET_STAGE["o_proj"]} if ctx.output_needs_grad(0) else set()
+        for target in lora_targets_modelled(spec, ctx.setup):
+            fan_in, fan_out = LORA_TARGET_SHAPES[target](spec)
+            stage = LORA_TARGET_STAGE[target]
+            input_bytes = 0 if shared_input and stage in inputs_saved else fan_in
+            inputs_saved.add(stage)
+            out.add("lora", saved_dtype * (input_bytes + rank))
             if d.autocast:
                 out.add("lora.weights", constant=d.proj * rank * (fan_in + fan_out))
     if d.autocast:
@@ -306,13 +365,12 @@ def first_stage_after(lora_targets: tuple[str, ...]) -> int:
 
 def autocast_weight_params(spec: ModelSpec, first_stage: int = 0) -> int:
     """Weights of one layer that autocast copies to low precision for its matmuls, from
-    first_stage on (LORA_TARGET_STAGE): attention and MLP weights, not biases. MoE experts are
-    cast per expert that receives tokens: at real batch sizes all of them."""
+    first_stage on (LORA_TARGET_STAGE): attention and MLP weights, not biases. Of a MoE block
+    only the router: the experts' grouped matmuls are not autocast ops (moe_saved)."""
     h, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
     if spec.num_experts:
-        experts, inner = spec.num_experts, spec.moe_intermediate_size
-        gate_up, down = h * experts + experts * 2 * h * inner, experts * h * inner
+        gate_up, down = h * spec.num_experts, 0
     else:
         gate_up, down = 2 * h * spec.intermediate_size, h * spec.intermediate_size
     stages = (h * q_out + 2 * h * kv_out, h * q_out, gate_up, down)

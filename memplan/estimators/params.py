@@ -133,8 +133,13 @@ def lora_params(spec: ModelSpec, setup: TrainSetup) -> int:
     return per_layer * spec.num_hidden_layers
 
 
-def lora_shapes(spec: ModelSpec, setup: TrainSetup) -> list[tuple[int, int]]:
-    """(in, out) of each adapted linear of one layer."""
+def lora_targets_modelled(spec: ModelSpec, setup: TrainSetup) -> list[str]:
+    """The adapted linears of one layer whose shapes the estimator knows (LORA_TARGET_SHAPES)."""
     if setup.lora_rank:
         check_lora_targets(spec, setup.lora_targets)
-    return [LORA_TARGET_SHAPES[t](spec) for t in setup.lora_targets if t in LORA_TARGET_SHAPES]
+    return [t for t in setup.lora_targets if t in LORA_TARGET_SHAPES]
+
+
+def lora_shapes(spec: ModelSpec, setup: TrainSetup) -> list[tuple[int, int]]:
+    """(in, out) of each adapted linear of one layer."""
+    return [LORA_TARGET_SHAPES[t](spec) for t in lora_targets_modelled(spec, setup)]

@@ -149,12 +149,12 @@ def loss_saved_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> i
         return kc.flce_saved_bytes(
             tokens, spec.hidden_size, spec.vocab_size, dtypes.proj, not setup.lora_rank
         )
-    if "cross_entropy" in kernels:
-        return logits * dtypes.proj  # the gradient, in place of the logits
-    softcap = logits * dtypes.proj if spec.final_logit_softcapping else 0
+    # Under autocast the lm_head matmul keeps its low-precision weight copy.
     lm_head_copy = spec.vocab_size * spec.hidden_size * dtypes.proj if dtypes.autocast else 0
-    # log_softmax's output, the targets, nll_loss's total weight; under autocast the lm_head's
-    # low-precision weight copy.
+    if "cross_entropy" in kernels:
+        return logits * dtypes.proj + lm_head_copy  # the gradient, in place of the logits
+    softcap = logits * dtypes.proj if spec.final_logit_softcapping else 0
+    # log_softmax's output, the targets, nll_loss's total weight.
     return logits * FP32 + tokens * INT64 + FP32 + softcap + lm_head_copy
 
 

@@ -19,7 +19,7 @@ import bench_e2e  # noqa: E402
 import measure_grid  # noqa: E402
 
 
-def test_grid_has_36_cases_half_with_kernels():
+def test_grid_has_every_setup_twice_half_with_kernels():
     cases = measure_grid.grid_cases(steps=3, only=None)
     assert len(cases) >= 36
     assert all(spec is not None for _, spec in cases)  # the planner worked for every case
@@ -28,7 +28,7 @@ def test_grid_has_36_cases_half_with_kernels():
     names = [c.case for c, _ in cases]
     assert len(set(names)) == len(names)
     setups = [c.setup for c, _ in cases]
-    assert {s.precision for s in setups} == {"bf16", "amp-bf16", "fp32"}
+    assert {s.precision for s in setups} == {"bf16", "amp-bf16", "amp-fp16", "fp32"}
     assert any(s.grad_checkpointing for s in setups) and any(s.attn == "eager" for s in setups)
     assert any(s.lora_rank for s in setups)
     assert any(c.hf_config["num_hidden_layers"] == 4 for c, _ in cases)
