@@ -59,8 +59,8 @@ class MemplanTrainerCallback(TrainerCallback):
             if displaced:
                 warnings.warn(
                     f"memplan: the forward of {', '.join(displaced)} was replaced after the "
-                    "callback patched it (TRL's SFTTrainer installs its own fused LM head), so "
-                    "memplan's kernels there do not run; the rest of the patch stays",
+                    "callback patched it (TRL's SFTTrainer, for one, installs its own fused LM "
+                    "head), so memplan's kernels there do not run; the rest of the patch stays",
                     stacklevel=2,
                 )
             return
