@@ -51,6 +51,10 @@ class Config:
 
 LORA_QV = {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}
 LORA_QKVO = {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj")}
+LORA_ALL = {
+    "lora_rank": 16,
+    "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
 
 GRID: list[Config] = [
     Config("qwen3-0.6b", 4, 1024, timeline=True),
@@ -116,6 +120,17 @@ GRID: list[Config] = [
     Config("qwen3-30b-a3b", 1, 1024, {**LORA_QV, "precision": "amp-bf16"}, layers=2),
     Config("qwen3-30b-a3b", 1, 1024, {"precision": "amp-bf16"}, layers=2),
     Config("mixtral-8x7b", 1, 512, {"precision": "amp-bf16"}, layers=2),
+    # Autocast over the other families' special layers, and more adapter placements.
+    Config("gemma-2-2b", 2, 1024, {"precision": "amp-bf16"}),
+    Config("gemma-3-1b", 2, 2048, {"precision": "amp-bf16"}),
+    Config("phi-3-mini", 2, 1024, {"precision": "amp-bf16"}, layers=4),
+    Config("llama-3.2-1b", 2, 2048, {"precision": "amp-bf16", "grad_checkpointing": True}),
+    Config("llama-3.2-1b", 2, 1024, {**LORA_ALL, "precision": "amp-bf16"}),
+    Config("qwen3-0.6b", 2, 1024, {"precision": "amp-bf16", "attn": "eager"}),
+    Config("qwen2.5-1.5b", 2, 1024, {"precision": "fp32", "grad_checkpointing": True}),
+    Config("llama-3.2-1b", 2, 1024, {**LORA_ALL, "attn": "eager"}),
+    Config("gemma-2-2b", 2, 1024, LORA_QV),
+    Config("mixtral-8x7b", 1, 1024, LORA_QV, layers=2),
     # Mixture of experts, cut to 2 layers (router, top-k gather, expert matmuls).
     Config("qwen3-30b-a3b", 2, 1024, layers=2),
     Config("mixtral-8x7b", 1, 1024, layers=2),
