@@ -138,9 +138,16 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
             )
     masked = attention_masked(ctx)
     if ctx.setup.attn == "eager":
-        out.add("attn.qkv", 3 * p * nh * hd)  # q and k, v repeated to all heads
-        out.add("attn.probs", FP32 * nh * seq + (p * nh * seq if p < FP32 else 0))
-        if spec.attn_logit_softcapping:
+        # matmul(q, k^T) saves each operand for the other's gradient, as does matmul(probs, v):
+        # q when k needs a gradient, k (repeated to all heads) when q does, v (repeated) when
+        # the scores do; the fp32 softmax output when the scores do, its low-precision cast
+        # when v does (in fp32 the cast is the softmax output itself).
+        q_grad, k_grad, v_grad = qkv_need_grad(ctx)
+        scores_grad = q_grad or k_grad
+        out.add("attn.qkv", p * nh * hd * (k_grad + q_grad + scores_grad))
+        cast_kept = v_grad and (p < FP32 or not scores_grad)
+        out.add("attn.probs", FP32 * nh * seq * scores_grad + p * nh * seq * cast_kept)
+        if spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
         if o_input_kept(ctx):
             out.add("attn.out", p * nh * hd)
@@ -170,14 +177,27 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add("attn.lse", FP32 * nh)
     out.add("attn.out", p * nh * hd)
     hf_attention = "rope" not in ctx.kernels  # memplan's patched attention makes no copy
-    if spec.fused_qkv and hf_attention and (ctx.trainable_base or ctx.adapted("o_proj")):
+    if spec.fused_qkv and hf_attention and o_input_kept(ctx):
         out.add("attn.o_proj_in", p * nh * hd)  # phi3 reshapes SDPA's output into a copy
 
 
+def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
+    """Whether q, k and v after RoPE need a gradient: always, but in the first layer under LoRA
+    only those whose projection is adapted; memplan's RoPE kernel (one custom op over q and k)
+    gives both outputs a gradient when either input has one."""
+    if ctx.needs_input_grad:
+        return True, True, True
+    q, k, v = (ctx.adapted(name, "qkv_proj") for name in ("q_proj", "k_proj", "v_proj"))
+    if "rope" in ctx.kernels:
+        q = k = q or k
+    return q, k, v
+
+
 def o_input_kept(ctx: LayerContext) -> bool:
-    """Whether o_proj's input, a contiguous copy of the eager or math-path attention output
-    (nothing else keeps it), is saved: by a trainable o_proj, or by its adapter in fp32, which
-    casts nothing (under bf16 weights or autocast the adapter keeps its own cast instead)."""
+    """Whether o_proj's input, a copy nothing else keeps (the contiguous eager or math-path
+    attention output, phi3's reshape of SDPA's output), is saved: by a trainable o_proj, or by
+    its adapter in fp32, which casts nothing (under bf16 weights or autocast the adapter keeps
+    its own cast instead)."""
     return ctx.trainable_base or (ctx.adapted("o_proj") and adapters_share_inputs(ctx.dtypes))
 
 
@@ -240,7 +260,11 @@ def moe_saved(ctx: LayerContext, out: Saved) -> None:
     )
     normalized = spec.hf_config.get("norm_topk_prob", spec.model_type == "mixtral")
     out.add("moe.router", FP32 * e + INT64 * k + (FP32 + FP32 * k if normalized else 0))
-    routed_row = 2 * p * h + 4 * p * inter + 3 * INT64 + FP32 + (1 if ctx.backend == "cuda" else 0)
+    # Each routed row keeps its routing weight (for the product that applies it): fp32 from
+    # Mixtral's router softmax; qwen3_moe's router casts it to the router logits' dtype. And one
+    # bool, the mask of expert-parallel sentinel rows that masked_fill keeps, on every backend.
+    routing_weight = FP32 if spec.model_type == "mixtral" else ctx.dtypes.proj
+    routed_row = 2 * p * h + 4 * p * inter + 3 * INT64 + routing_weight + 1
     if not ctx.trainable_base:
         routed_row -= p * h + p * inter  # frozen expert matmuls keep neither input
     out.add("moe.experts", k * routed_row, constant=4 * e)
