@@ -35,6 +35,8 @@ from memplan.schema import (
 )
 
 _STATE_ATTR = "_memplan_patch_state"
+# accelerate.prepare's mixed-precision wrapper keeps the forward it wrapped under this name.
+_ACCELERATE_WRAPPED = "_original_forward"
 _REPLICATE = "_replicate_for_data_parallel"
 
 KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {
@@ -98,6 +100,10 @@ class _Installed:
 
     module: nn.Module
     forward: Callable[..., Any]
+
+    def bound_in(self, method: Any) -> bool:
+        """Whether `method` is this forward bound to a module (ours, not a replacement)."""
+        return getattr(method, "__func__", None) is self.forward
 
 
 @dataclass
@@ -256,10 +262,15 @@ def displaced_forwards(model: nn.Module) -> list[str]:
     names = {id(module): name for name, module in hf_model.named_modules()}
     displaced = []
     for record in state.installed:
-        held = (record.module.__dict__.get(a) for a in ("forward", "_original_forward"))
-        if all(getattr(f, "__func__", None) is not record.forward for f in held):
+        held = (record.module.__dict__.get(a) for a in ("forward", _ACCELERATE_WRAPPED))
+        if not any(record.bound_in(f) for f in held):
             displaced.append(names.get(id(record.module)) or type(record.module).__name__)
     return displaced
+
+
+def accelerate_wrapped(module: nn.Module) -> bool:
+    """Whether accelerate.prepare's mixed-precision wrapper is on this module's forward."""
+    return _ACCELERATE_WRAPPED in module.__dict__
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -524,11 +535,11 @@ def _check_forwards_are_free(
     for target in targets:
         current = target.module.__dict__.get("forward")
         record = originals.get(id(target.module))
-        ours = record is not None and getattr(current, "__func__", None) is record.forward
+        ours = record is not None and record.bound_in(current)
         if current is not None and not ours:
             by = (
                 "accelerate's mixed-precision wrapper (accelerator.prepare, Trainer.train)"
-                if "_original_forward" in target.module.__dict__
+                if accelerate_wrapped(target.module)
                 else "another library"
             )
             raise MemplanError(
@@ -583,8 +594,7 @@ def _replicate_patched(self: nn.Module) -> nn.Module:
 
 def _restore(installed: Sequence[_Installed]) -> None:
     for record in reversed(installed):
-        current = record.module.__dict__.get("forward")
-        if getattr(current, "__func__", None) is not record.forward:
+        if not record.bound_in(record.module.__dict__.get("forward")):
             # Someone (accelerate's autocast wrapper, another patcher) replaced our forward
             # after apply and may call it: removing theirs would silently drop their behaviour.
             warnings.warn(

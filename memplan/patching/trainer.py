@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 from memplan.errors import MemplanError
 from memplan.patching.engine import (
     AppliedPatch,
+    accelerate_wrapped,
     applied_patch,
     apply,
     displaced_forwards,
@@ -64,7 +65,7 @@ class MemplanTrainerCallback(TrainerCallback):
                     stacklevel=2,
                 )
             return
-        if "_original_forward" in unwrap(model).__dict__:
+        if accelerate_wrapped(unwrap(model)):
             raise MemplanError(
                 "the Trainer made this model in train() (model_init), or the callback was added "
                 "after the Trainer was built, and accelerate's mixed-precision wrapper is already "
