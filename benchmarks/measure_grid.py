@@ -131,6 +131,23 @@ GRID: list[Config] = [
     Config("llama-3.2-1b", 2, 1024, {**LORA_ALL, "attn": "eager"}),
     Config("gemma-2-2b", 2, 1024, LORA_QV),
     Config("mixtral-8x7b", 1, 1024, LORA_QV, layers=2),
+    # Session 10: regions no case had reached: the mistral family, sequences of 8K-32K tokens,
+    # sliding-window masks past the window on mistral, gemma-2 and phi-3, fp32 with grouped KV
+    # heads (SDPA's math path) with and without LoRA, tied embeddings at 3B, eager at 4B.
+    Config("mistral-7b-v0.1", 1, 8192, layers=4),
+    Config("mistral-7b-v0.3", 2, 2048, {**LORA_ALL, "precision": "amp-bf16"}, layers=4),
+    Config("llama-3.2-1b", 1, 32768),
+    Config("qwen3-1.7b", 1, 16384, {"grad_checkpointing": True}),
+    Config("gemma-2-2b", 1, 8192),
+    Config("phi-3-mini", 1, 4096, layers=4),
+    Config("smollm2-135m", 8, 2048, {"precision": "fp32"}),
+    Config("llama-3.2-1b", 2, 1024, {**LORA_QV, "precision": "fp32"}),
+    Config(
+        "qwen2.5-0.5b", 4, 2048, {**LORA_ALL, "precision": "amp-bf16", "grad_checkpointing": True}
+    ),
+    Config("gemma-3-4b", 1, 4096, LORA_QV, layers=6),
+    Config("llama-3.2-3b", 2, 4096),
+    Config("qwen3-4b", 1, 2048, {"attn": "eager"}, layers=8),
     # Mixture of experts, cut to 2 layers (router, top-k gather, expert matmuls).
     Config("qwen3-30b-a3b", 2, 1024, layers=2),
     Config("mixtral-8x7b", 1, 1024, layers=2),

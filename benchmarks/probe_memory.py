@@ -2,14 +2,17 @@
 contracts. Two modes, both printing JSON:
 
   saved  one forward of a small model per family under saved_tensors_hooks: every saved
-         activation (unique storages, parameters excluded) with the module that saved it.
+         activation (unique storages, parameters excluded) with the module that saved it;
+         with --lora, of peft LoRA models (LORA_TARGETS per family) in every precision and
+         attention, the protocol's adapters (r=16, alpha 32, no dropout).
   peak   the measurement protocol on one case with torch.cuda.memory._record_memory_history:
          the live blocks at the peak, grouped by the Python line that allocated them.
 
     python benchmarks/probe_memory.py saved --device cuda --out saved.json
+    python benchmarks/probe_memory.py saved --lora --kernels all --out saved_lora_kernels.json
     python benchmarks/probe_memory.py peak --model llama32_1b_b8_s2048 --out peak.json
     python benchmarks/probe_memory.py peak --model qwen3-0.6b --batch 4 --seq 1024 \
-        --precision amp-bf16 --kernels all --out peak.json
+        --precision amp-bf16 --kernels all --lora q_proj,v_proj --out peak.json
 
 --model is a key of tests/data/reference_h200.json or a catalog name; --kernels (all, or a
 comma list) patches the models with memplan.apply first, in both modes.
@@ -54,6 +57,29 @@ FAMILIES = {
         "head_dim": 64,
     },
 }
+
+
+_ATTENTION_QV = ("q_proj", "v_proj")
+_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION_ALL = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+# Adapter placements probed per family: the protocol's default (q, v; qkv on phi3) and every
+# linear of the layer; llama adds the single placements whose first-layer rules differ.
+LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
+    **{
+        family: (_ATTENTION_QV, _ALL_LINEAR)
+        for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+    },
+    "phi3": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("o_proj",)),
+    "mixtral": (_ATTENTION_QV, _ATTENTION_ALL),
+    "qwen3_moe": (_ATTENTION_QV, _ATTENTION_ALL),
+}
+LORA_TARGETS["llama"] += (
+    ("o_proj",),
+    ("v_proj",),
+    ("k_proj",),
+    ("gate_proj", "up_proj", "down_proj"),
+)
 
 
 def build(model_type: str, overrides: dict, dtype: torch.dtype, attn: str, device: str):
@@ -106,30 +132,43 @@ def saved_tensors(model, ids, autocast: bool, device: str) -> list[dict]:
     return list(seen.values())
 
 
-def run_saved(device: str, kernels: str | None) -> dict:
+def add_lora(model, targets: tuple[str, ...]):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=list(targets), lora_dropout=0.0)
+    return get_peft_model(model, config)
+
+
+def run_saved(device: str, kernels: str | None, lora: bool = False) -> dict:
     result = {}
     batch, seq = 2, 64
     for model_type, overrides in FAMILIES.items():
+        placements = LORA_TARGETS[model_type] if lora else ((),)
         for precision in ("bf16", "fp32", "amp-bf16"):
             for attn in ("sdpa", "eager"):
-                if precision != "bf16" and attn == "eager":
+                if precision != "bf16" and attn == "eager" and not lora:
                     continue
-                dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-                torch.manual_seed(0)
-                key = f"{model_type}/{precision}/{attn}"
-                try:
-                    model = build(model_type, overrides, dtype, attn, device)
-                    patch(model, kernels)
-                    model.train()
-                    ids = torch.randint(0, TINY["vocab_size"], (batch, seq), device=device)
-                    result[key] = saved_tensors(model, ids, precision.startswith("amp"), device)
-                    del model
-                except Exception as exc:  # a probe: record and go on
-                    result[key] = {"error": repr(exc)[:300]}
+                for targets in placements:
+                    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+                    torch.manual_seed(0)
+                    key = "/".join([model_type, precision, attn, *(["+".join(targets)] * lora)])
+                    try:
+                        model = build(model_type, overrides, dtype, attn, device)
+                        if targets:
+                            model = add_lora(model, targets)
+                        patch(model, kernels)
+                        model.train()
+                        ids = torch.randint(0, TINY["vocab_size"], (batch, seq), device=device)
+                        amp = precision.startswith("amp")
+                        result[key] = saved_tensors(model, ids, amp, device)
+                        del model
+                    except Exception as exc:  # a probe: record and go on
+                        result[key] = {"error": repr(exc)[:300]}
     return {
         "batch": batch,
         "seq": seq,
         "kernels": kernels,
+        "lora": {"r": 16, "alpha": 32} if lora else None,
         "tiny": TINY,
         "families": FAMILIES,
         "saved": result,
@@ -160,6 +199,8 @@ def run_peak(args) -> dict:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=args.attn)
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
+    if args.lora:
+        model = add_lora(model, tuple(args.lora.split(",")))
     patch(model, args.kernels, args.flce_chunk)
     model.train()
     after_model = torch.cuda.memory_allocated()
@@ -241,9 +282,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--kernels", help="patch with memplan first: all, or a comma list")
     ap.add_argument("--flce-chunk", type=int)
+    ap.add_argument(
+        "--lora",
+        nargs="?",
+        const="probe",
+        help="saved: peft LoRA models (LORA_TARGETS); peak: a comma list of adapted linears",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    result = run_saved(args.device, args.kernels) if args.mode == "saved" else run_peak(args)
+    result = (
+        run_saved(args.device, args.kernels, args.lora) if args.mode == "saved" else run_peak(args)
+    )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", args.out)

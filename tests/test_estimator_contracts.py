@@ -197,3 +197,42 @@ def test_patched_model_matches_h200_probe(case: str) -> None:
     )
     expected = forward_saved(spec, setup, backend="cuda", rounded=False).total
     assert expected == sum(t["nbytes"] for t in measured)
+
+
+LORA_PROBES = {
+    kernels: json.loads((Path(__file__).parent / "data" / name).read_text())
+    for kernels, name in (
+        ("none", "saved_cuda_probe_lora.json"),
+        ("kernels", "saved_cuda_probe_lora_kernels.json"),
+    )
+}
+
+
+LORA_CASES = [(kernels, case) for kernels, probe in LORA_PROBES.items() for case in probe["saved"]]
+
+
+@pytest.mark.parametrize("kernels,case", sorted(LORA_CASES))
+def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
+    """peft LoRA on every family, bf16 / fp32 / autocast, SDPA and eager, with kernels off and
+    with every kernel the family supports, recorded on an H200 by `probe_memory.py saved --lora`
+    (CUDA's autocast and attention backends, which the CPU tests cannot reach)."""
+    from memplan.advisor import best_kernel_set, supported_kernels
+
+    probe = LORA_PROBES[kernels]
+    measured = probe["saved"][case]
+    if isinstance(measured, dict):
+        pytest.skip(f"the probe could not run this case on the GPU: {measured['error'][:80]}")
+    model_type, precision, attn, targets = case.split("/")
+    overrides = {**probe["tiny"], **probe["families"][model_type]}
+    spec = spec_from_config(AutoConfig.for_model(model_type, **overrides).to_dict())
+    setup = TrainSetup(
+        batch=probe["batch"],
+        seq=probe["seq"],
+        precision=precision,
+        attn=attn,
+        lora_rank=probe["lora"]["r"],
+        lora_targets=tuple(targets.split("+")),
+        kernels=best_kernel_set(supported_kernels(spec)) if kernels == "kernels" else (),
+    )
+    expected = forward_saved(spec, setup, backend="cuda", rounded=False).total
+    assert expected == sum(t["nbytes"] for t in measured)

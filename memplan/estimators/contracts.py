@@ -137,26 +137,20 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
     masked = attention_masked(ctx)
-    if ctx.setup.attn == "eager":
+    eager = ctx.setup.attn == "eager"
+    if eager or sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):
         # matmul(q, k^T) saves each operand for the other's gradient, as does matmul(probs, v):
         # q when k needs a gradient, k (repeated to all heads) when q does, v (repeated) when
         # the scores do; the fp32 softmax output when the scores do, its low-precision cast
-        # when v does (in fp32 the cast is the softmax output itself).
+        # when v does (in fp32 the cast is the softmax output itself). SDPA's math path (fp32
+        # with grouped KV heads on CUDA: no fused kernel takes it) runs the same ops in fp32.
         q_grad, k_grad, v_grad = qkv_need_grad(ctx)
         scores_grad = q_grad or k_grad
         out.add("attn.qkv", p * nh * hd * (k_grad + q_grad + scores_grad))
         cast_kept = v_grad and (p < FP32 or not scores_grad)
         out.add("attn.probs", FP32 * nh * seq * scores_grad + p * nh * seq * cast_kept)
-        if spec.attn_logit_softcapping and scores_grad:
+        if eager and spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
-        if o_input_kept(ctx):
-            out.add("attn.out", p * nh * hd)
-        return
-    if sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):
-        # No fused SDPA kernel takes fp32 with grouped KV heads on CUDA: the math path saves
-        # the repeated k and v and the fp32 probabilities.
-        out.add("attn.qkv", 3 * p * nh * hd)
-        out.add("attn.probs", FP32 * nh * seq)
         if o_input_kept(ctx):
             out.add("attn.out", p * nh * hd)
         return
@@ -336,7 +330,9 @@ def layer_saved(ctx: LayerContext) -> Saved:
     if rank:
         # peft keeps adapters in fp32 and casts their input to fp32 (autocast_adapter_dtype):
         # A saves that cast, B saves A's (rank-wide) output. Under autocast both matmuls save
-        # their low-precision casts instead, and autocast caches a copy of each adapter weight.
+        # their low-precision casts instead, and the copy autocast caches of B's weight; of A's
+        # only where A's input needs a gradient (not before the first adapter of the first
+        # layer: measured on an H200, probe_memory.py saved --lora).
         # In fp32 nothing is cast: adapters that read the same input save it once, and o_proj's
         # adapter saves attention's output, which attention_saved counts (attn.out).
         saved_dtype = d.proj if d.autocast else FP32
@@ -349,7 +345,8 @@ def layer_saved(ctx: LayerContext) -> Saved:
             inputs_saved.add(stage)
             out.add("lora", saved_dtype * (input_bytes + rank))
             if d.autocast:
-                out.add("lora.weights", constant=d.proj * rank * (fan_in + fan_out))
+                a_kept = ctx.needs_input_grad or first_stage_after(ctx.setup.lora_targets) <= stage
+                out.add("lora.weights", constant=d.proj * rank * (fan_in * a_kept + fan_out))
     if d.autocast:
         # A low-precision copy of every matmul weight, saved by the matmul: the one autocast
         # caches for a trainable weight, or a frozen weight's own cast on each call (autocast

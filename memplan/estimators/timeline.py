@@ -325,15 +325,19 @@ def attention_scores_backward_bytes(
     (heads x seq) scores. In bf16, eager softmax(scores, dtype=float32).to(bf16) holds d(probs)
     (2), its fp32 upcast (4) and the fp32 d(scores) softmax backward writes (4) at once:
     measured on an H200, llama-3.2-1b batch 2 x 2048 with kernels, whose peak falls there. In
-    fp32 (eager, or the math path of CUDA SDPA in any layer): d(probs) and d(scores), 4 bytes
-    each."""
+    fp32 eager: d(probs) and d(scores), 4 bytes each. CUDA SDPA's math path (fp32 with grouped
+    KV heads) holds three fp32 (heads x seq) tensors at once in its backward: seen in an H200
+    allocation trace of smollm2-135m batch 8 x 2048 with kernels (probe_memory.py peak)."""
     math_sdpa = any(
         sdpa_math_path(spec, dtypes, backend, attention_masked(ctx))
         for ctx in layer_contexts(spec, setup, dtypes, backend)
     )
     if setup.attn != "eager" and not math_sdpa:
         return 0
-    per_score = 2 * FP32 if dtypes.proj == FP32 else dtypes.proj + 2 * FP32
+    if math_sdpa and setup.attn != "eager":
+        per_score = 3 * FP32
+    else:
+        per_score = 2 * FP32 if dtypes.proj == FP32 else dtypes.proj + 2 * FP32
     return spec.num_attention_heads * setup.seq * per_score
 
 
