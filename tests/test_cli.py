@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def memplan(*args: str) -> subprocess.CompletedProcess:
+def memplan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "memplan", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "memplan", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 
@@ -45,7 +50,7 @@ def test_advise_path_imports_neither_torch_nor_transformers() -> None:
 @pytest.mark.parametrize(
     "args,code,message",
     [
-        (["--model", "nope", "--batch", "1", "--seq", "8"], 1, "unknown model"),
+        (["--model", "nope", "--batch", "1", "--seq", "8"], 2, "unknown model"),
         (["--model", "gemma", "--batch", "1", "--seq", "8"], 2, "ambiguous"),
         (["--model", "gemma-7b", "--batch", "0", "--seq", "8"], 2, "positive integer"),
         (["--model", "gemma-7b", "--batch", "x", "--seq", "8"], 2, "positive integer"),
@@ -103,6 +108,29 @@ def test_bad_input_is_one_line(args, code, message) -> None:
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error:") and message in lines[0]
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("command", ["advise", "verify"])
+def test_an_unknown_model_name_is_a_usage_error(command) -> None:
+    """A name that is no catalog name, no path and no hub id exited 1 where an unknown --gpu
+    exits 2 (errors.py: an unknown name is a usage error); verify resolves it the same way."""
+    run = memplan(command, "--model", "no-such-model", "--batch", "1", "--seq", "8")
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        "Error: unknown model 'no-such-model' (run `memplan models` for the catalog)"
+    ]
+
+
+@pytest.mark.parametrize("offline", ["0", "1"])
+def test_a_malformed_hub_id_is_a_usage_error(offline) -> None:
+    """'org/name/extra' is no repository id: refused before any request, offline or not, exit
+    2 (a well-formed id the hub does not give stays exit 1: tests/test_catalog.py)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": offline}
+    run = memplan("advise", "--model", "org/name/extra", "--batch", "1", "--seq", "8", env=env)
+    assert run.returncode == 2
+    assert len(run.stderr.splitlines()) == 1
+    assert "unknown model 'org/name/extra'" in run.stderr
+    assert "(not a valid repository id)" in run.stderr
 
 
 def test_unknown_architecture(tmp_path) -> None:

@@ -64,7 +64,9 @@ def _catalog_model(key: str) -> CatalogModel:
 
 
 def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> ModelSpec:
-    """The ModelSpec for a catalog name, a config.json path or folder, or a hub id."""
+    """The ModelSpec for a catalog name, a config.json path or folder, or a hub id. A name that
+    is none of these (nor a malformed hub id) is a UsageError; a missing path, a bad config or
+    a hub id the hub does not give is a MemplanError."""
     query = name_or_path.strip()
     if not query:
         raise UsageError("the model name is empty (run `memplan models` for the catalog)")
@@ -85,7 +87,8 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
 
     if "/" in query:
         return _from_hub(query, trust_remote_code=trust_remote_code)
-    raise MemplanError(f"unknown model {query!r} (run `memplan models` for the catalog)")
+    # Neither a name, nor a path, nor a hub id: a mistyped argument (exit 2), like a bad --gpu.
+    raise UsageError(f"unknown model {query!r} (run `memplan models` for the catalog)")
 
 
 def substituted_entry(name_or_path: str) -> CatalogModel | None:
@@ -162,6 +165,7 @@ def _from_hub(hub_id: str, *, trust_remote_code: bool) -> ModelSpec:
         except Exception:  # noqa: BLE001
             config = None
         if config is None:
+            _check_repo_id(hub_id)
             if constants.HF_HUB_OFFLINE or _env_true("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
                 raise _unknown_hub_id(hub_id, "offline mode is on, and it is not cached")
             try:
@@ -181,11 +185,26 @@ def _from_hub(hub_id: str, *, trust_remote_code: bool) -> ModelSpec:
     return spec_from_config(config.to_dict(), name=hub_id)
 
 
-def _unknown_hub_id(hub_id: str, reason: str) -> MemplanError:
-    return MemplanError(
+def _unknown_hub_id(hub_id: str, reason: str, *, usage: bool = False) -> MemplanError:
+    """A hub id that gave no config: a UsageError (exit 2) when the id itself is malformed,
+    else a MemplanError (exit 1: offline, unreachable, no such repository)."""
+    error = UsageError if usage else MemplanError
+    return error(
         f"unknown model {hub_id!r}: not a catalog name, not a local path, and not reachable on "
         f"the Hugging Face hub ({reason}); run `memplan models` for the catalog names"
     )
+
+
+def _check_repo_id(hub_id: str) -> None:
+    """UsageError (exit 2) for a name that cannot be a repository id ('a/b/c', 'org/{x}'),
+    offline or not: a malformed argument, not an unreachable repository."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(hub_id)
+    except HFValidationError as e:
+        raise _unknown_hub_id(hub_id, "not a valid repository id", usage=True) from e
 
 
 def _env_true(*names: str) -> bool:

@@ -14,6 +14,9 @@ Rows whose target is ignore_index have loss 0 and gradient 0. 'mean' divides by 
 non-ignored rows (at least 1, so an all-ignored batch gives 0, not nan) or by num_items_in_batch
 when given (gradient accumulation, as Hugging Face's ForCausalLMLoss). The loss is fp32."""
 
+import math
+import numbers
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -24,6 +27,9 @@ from memplan.errors import UsageError
 from memplan.kernels._utils import cdiv, first_order_only, may_write_over, next_power_of_2
 
 REDUCTIONS = ("mean", "sum", "none")
+# Softcaps the fp32 kernels compute right: beyond, the cap or logits / cap leave fp32's normal
+# range and flush to zero on the GPU (every logit capped to 0, or a 0/0 gradient).
+SOFTCAP_MIN, SOFTCAP_MAX = 1e-30, 1e30
 
 
 def reference_cross_entropy(
@@ -63,9 +69,17 @@ def reference_cross_entropy(
 
 @triton.jit
 def _tanh(x):
-    # From exp(-2|x|) in (0, 1]: no overflow at any |x|, exact sign.
-    e = tl.exp(-2.0 * tl.abs(x))
+    # From exp(-2|x|) in (0, 1]: no overflow at any |x|, exact sign. Below |x| = 0.2, where
+    # 1 - exp(-2|x|) cancels (relative error ~6e-8 / |x|: a softcap of 1e6 gave gradients 0.6%
+    # off), the odd Taylor series to x^9 instead (truncation below 1e-9 relative there).
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
     t = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    series = a * (
+        1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0))))
+    )
+    t = tl.where(a < 0.2, series, t)
     return tl.where(x < 0, -t, t)
 
 
@@ -621,21 +635,27 @@ def check_loss_options(
     num_items_in_batch: int | Tensor | None,
 ) -> None:
     """Raise UsageError for options no loss accepts (shared with the fused linear version)."""
-    if reduction not in REDUCTIONS:
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise UsageError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise UsageError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not softcap > 0.0:
-        raise UsageError(f"softcap must be positive or None, got {softcap}")
-    if not z_loss_scale >= 0.0:
-        raise UsageError(f"z_loss_scale must be >= 0, got {z_loss_scale}")
+    if not _is_real(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
+        raise UsageError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    # A cap of inf would compute inf * tanh(x / inf) = inf * 0 = nan: no cap is None.
+    if softcap is not None and not (_is_real(softcap) and SOFTCAP_MIN <= softcap <= SOFTCAP_MAX):
+        raise UsageError(
+            f"softcap must be None (no cap) or a finite positive number in "
+            f"[{SOFTCAP_MIN:g}, {SOFTCAP_MAX:g}], got {softcap!r}"
+        )
+    if not _is_real(z_loss_scale) or not 0.0 <= z_loss_scale < math.inf:
+        raise UsageError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
     if num_items_in_batch is not None:
         if reduction != "mean":
             raise UsageError("num_items_in_batch applies to reduction='mean' only")
-        if not isinstance(num_items_in_batch, Tensor) and (
-            isinstance(num_items_in_batch, bool) or not num_items_in_batch > 0
+        if not isinstance(num_items_in_batch, Tensor) and not (
+            _is_real(num_items_in_batch) and 0.0 < num_items_in_batch < math.inf
         ):
-            raise UsageError(f"num_items_in_batch must be positive, got {num_items_in_batch!r}")
+            raise UsageError(
+                f"num_items_in_batch must be a finite positive number, got {num_items_in_batch!r}"
+            )
         if isinstance(num_items_in_batch, Tensor) and (
             num_items_in_batch.numel() != 1 or num_items_in_batch.dtype == torch.bool
         ):
@@ -644,8 +664,16 @@ def check_loss_options(
                 "num_items_in_batch must be a number or a one-element numeric tensor, got a "
                 f"{num_items_in_batch.dtype} tensor of shape {tuple(num_items_in_batch.shape)}"
             )
-    if not isinstance(ignore_index, int):
-        raise UsageError(f"ignore_index must be an int, got {ignore_index!r}")
+    # bool is an int subclass: True would silently ignore class 1.
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise UsageError(f"ignore_index must be an integer, got {ignore_index!r}")
+    if not -(2**63) <= ignore_index < 2**63:
+        raise UsageError(f"ignore_index must fit in int64, got {ignore_index}")
+
+
+def _is_real(value: object) -> bool:
+    """A real number (int, float, numpy scalar), not a bool, a string or a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_target(op: str, target: Tensor) -> None:

@@ -1,14 +1,18 @@
 """LayerNorm: y = (x - mean) * rstd * weight + bias over the last dim, fp32 math inside, output in
-the input dtype (as torch's layer_norm does for bf16/fp16 inputs).
+the input dtype (as torch's layer_norm does for bf16/fp16 inputs). weight and bias may each be
+None, as in F.layer_norm (a scale of 1, a shift of 0: nn.LayerNorm(elementwise_affine=False)).
 
 Forward saves x and the fp32 mean and inverse std per row. Backward (xhat = (x - mean) * rstd,
-m = dy * w):
+m = dy * w, or dy without a weight):
     dx = rstd * (m - mean(m) - xhat * mean(m * xhat))
     dw = sum over rows of dy * xhat,   db = sum over rows of dy
 dw and db are reduced in two stages: fp32 partials per program (a contiguous range of rows,
 accumulated in registers), then one torch sum over the partials."""
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +34,12 @@ from memplan.kernels._utils import (
 
 
 def reference_layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """Plain PyTorch: fp32 layer norm, cast back to the input dtype."""
+    w = weight.float() if weight is not None else None
     b = bias.float() if bias is not None else None
-    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
 
 
 # --- Triton kernels -------------------------------------------------------------------------
@@ -53,6 +58,7 @@ def _layer_norm_forward_kernel(
     n_rows,
     n_cols,
     eps,
+    HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
@@ -72,8 +78,9 @@ def _layer_norm_forward_kernel(
     tl.store(mean_ptr + rows, mean, mask=row_mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    y = centered * rstd[:, None] * w[None, :]
+    y = centered * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -99,6 +106,7 @@ def _layer_norm_backward_kernel(
     n_rows,
     n_cols,
     rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
     PAIRED: tl.constexpr,
@@ -111,7 +119,8 @@ def _layer_norm_backward_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
 
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
 
@@ -127,7 +136,10 @@ def _layer_norm_backward_kernel(
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
 
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        m = dy * w[None, :]
+        if HAS_WEIGHT:
+            m = dy * w[None, :]
+        else:
+            m = dy
         mean_m = tl.sum(m, axis=1) / n_cols
         mean_mx = tl.sum(m * xhat, axis=1) / n_cols
         dx = (m - mean_m[:, None] - xhat * mean_mx[:, None]) * rstd[:, None]
@@ -151,7 +163,7 @@ def _layer_norm_backward_kernel(
 
 
 def layer_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd): y like x, mean and rstd fp32 of shape x.shape[:-1]."""
     x2 = as_rows(x)
@@ -165,8 +177,8 @@ def layer_norm_forward(
     with on_device(x):
         _layer_norm_forward_kernel[(cdiv(n_rows, rows),)](
             x2,
-            weight,
-            bias if bias is not None else weight,
+            weight if weight is not None else x2,  # x2: never read
+            bias if bias is not None else x2,
             y,
             mean,
             rstd,
@@ -175,6 +187,7 @@ def layer_norm_forward(
             n_rows,
             n_cols,
             eps,
+            HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
             BLOCK_N=block_n,
             ROWS=rows,
@@ -186,21 +199,27 @@ def layer_norm_forward(
 def layer_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     mean: torch.Tensor,
     rstd: torch.Tensor,
     compute_dw: bool,
     compute_db: bool,
+    sums_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, sums): sums stacks the asked-for dW and dB, in that order, as rows of one
-    (compute_dw + compute_db, hidden) tensor in the weight's dtype."""
+    (compute_dw + compute_db, hidden) tensor in sums_dtype (default: the weight's dtype; the
+    bias's when there is no weight)."""
+    if compute_dw and weight is None:
+        raise ValueError("compute_dw needs a weight")
+    if sums_dtype is None:
+        sums_dtype = weight.dtype if weight is not None else x.dtype
     x2 = as_rows(x)
     dy2 = as_rows(dy)
     n_rows, n_cols = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_partials = int(compute_dw) + int(compute_db)
     if dx.numel() == 0:  # no rows, or rows of 0 elements
-        return dx, weight.new_zeros((n_partials, n_cols))
+        return dx, x.new_zeros((n_partials, n_cols), dtype=sums_dtype)
     config = norm_backward_config(n_rows, n_cols, x.device, "layer_norm")
     n_programs = config.n_programs
 
@@ -212,7 +231,7 @@ def layer_norm_backward(
         _layer_norm_backward_kernel[(n_programs,)](
             dy2,
             x2,
-            weight,
+            weight if weight is not None else x2,  # x2: never read
             mean,
             rstd,
             dx,
@@ -224,6 +243,7 @@ def layer_norm_backward(
             n_rows,
             n_cols,
             config.rows_per_program,
+            HAS_WEIGHT=weight is not None,
             COMPUTE_DW=compute_dw,
             COMPUTE_DB=compute_db,
             PAIRED=partial_layout(n_programs, x.device)[1],
@@ -231,7 +251,7 @@ def layer_norm_backward(
             ROWS=config.rows,
             num_warps=config.num_warps,
         )
-    return dx, sum_partials(partials, weight.dtype)
+    return dx, sum_partials(partials, sums_dtype)
 
 
 # --- custom ops and autograd ----------------------------------------------------------------
@@ -239,7 +259,7 @@ def layer_norm_backward(
 
 @torch.library.custom_op("memplan::layer_norm", mutates_args=())
 def _layer_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return layer_norm_forward(x, weight, bias, eps)
 
@@ -254,23 +274,27 @@ def _(x, weight, bias, eps):
 def _layer_norm_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     mean: torch.Tensor,
     rstd: torch.Tensor,
     compute_dw: bool,
     compute_db: bool,
+    sums_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer_norm_backward(dy, x, weight, mean, rstd, compute_dw, compute_db)
+    return layer_norm_backward(dy, x, weight, mean, rstd, compute_dw, compute_db, sums_dtype)
 
 
 @_layer_norm_backward_op.register_fake
-def _(dy, x, weight, mean, rstd, compute_dw, compute_db):
-    return x.new_empty(x.shape), weight.new_empty((int(compute_dw) + int(compute_db), x.shape[-1]))
+def _(dy, x, weight, mean, rstd, compute_dw, compute_db, sums_dtype):
+    sums = x.new_empty((int(compute_dw) + int(compute_db), x.shape[-1]), dtype=sums_dtype)
+    return x.new_empty(x.shape), sums
 
 
-def _save(ctx, x, weight, mean, rstd, has_bias) -> None:
+def _save(ctx, x, weight, bias, mean, rstd) -> None:
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.has_bias = has_bias
+    ctx.has_bias = bias is not None
+    # dW and dB come back in the weight's dtype; dB without a weight in the bias's
+    ctx.sums_dtype = (weight if weight is not None else bias if bias is not None else x).dtype
 
 
 @first_order_only
@@ -278,9 +302,9 @@ def _backward(ctx, dy, *_unused):
     """Gradients of (x, weight, bias, eps); shared by the custom op's autograd (torch.compile,
     fake and meta tensors) and the eager autograd.Function."""
     x, weight, mean, rstd = ctx.saved_tensors
-    compute_dw = ctx.needs_input_grad[1]
+    compute_dw = weight is not None and ctx.needs_input_grad[1]
     compute_db = ctx.has_bias and ctx.needs_input_grad[2]
-    args = (dy, x, weight, mean, rstd, compute_dw, compute_db)
+    args = (dy, x, weight, mean, rstd, compute_dw, compute_db, ctx.sums_dtype)
     if use_custom_op(dy):
         dx, sums = torch.ops.memplan.layer_norm_backward(*args)
     else:
@@ -292,7 +316,7 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, _eps = inputs
     _y, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
-    _save(ctx, x, weight, mean, rstd, bias is not None)
+    _save(ctx, x, weight, bias, mean, rstd)
 
 
 _layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -304,7 +328,7 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         y, mean, rstd = layer_norm_forward(x, weight, bias, eps)
-        _save(ctx, x, weight, mean, rstd, bias is not None)
+        _save(ctx, x, weight, bias, mean, rstd)
         return y
 
     backward = staticmethod(_backward)
@@ -314,20 +338,24 @@ class _LayerNormFunction(torch.autograd.Function):
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
-    """Fused LayerNorm over the last dim of x (any leading shape); bias may be None."""
+    """Fused LayerNorm over the last dim of x (any leading shape); weight and bias may be None
+    (F.layer_norm's scale of 1 and shift of 0)."""
     if x.dim() == 0:
         raise UsageError("layer_norm normalizes the last dim of x, which has none (a 0-d tensor).")
-    if weight.shape != (x.shape[-1],) or (bias is not None and bias.shape != weight.shape):
+    params = [p for p in (weight, bias) if p is not None]
+    if any(p.shape != (x.shape[-1],) for p in params):
+        shapes = ", ".join(str(tuple(p.shape)) for p in params)
         raise UsageError(
-            f"LayerNorm weight/bias of shape {tuple(weight.shape)} do not match hidden size "
-            f"{x.shape[-1]}."
+            f"LayerNorm weight/bias of shape {shapes} do not match hidden size {x.shape[-1]}."
         )
-    check_floating("layer_norm", x, weight)
+    check_floating("layer_norm", x, *params)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= eps < math.inf:
+        raise UsageError(f"layer_norm eps must be a finite number >= 0, got {eps!r}")
     # The kernels read weight and bias with unit stride; autograd sends their gradients back
     # through the copies.
-    weight = weight.contiguous()
+    weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
     if use_custom_op(x):
         return torch.ops.memplan.layer_norm(x, weight, bias, float(eps))[0]
@@ -335,16 +363,28 @@ def layer_norm(
 
 
 class LayerNorm(torch.nn.Module):
-    """Drop-in for torch.nn.LayerNorm over the last dim (elementwise affine)."""
+    """Drop-in for torch.nn.LayerNorm over the last dim."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        elementwise_affine: bool = True,
+    ) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        self.hidden_size = hidden_size
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size)) if elementwise_affine else None
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(hidden_size)) if elementwise_affine and bias else None
+        )
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, bias={self.bias is not None}"
+        return (
+            f"({self.hidden_size},), eps={self.eps}, "
+            f"elementwise_affine={self.weight is not None}, bias={self.bias is not None}"
+        )

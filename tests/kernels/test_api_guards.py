@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from memplan.errors import UsageError
-from memplan.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from memplan.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, reference_cross_entropy
+from memplan.kernels.fused_linear_cross_entropy import (
+    FusedLinearCrossEntropyLoss,
+    fused_linear_cross_entropy,
+)
 from memplan.kernels.layer_norm import layer_norm, reference_layer_norm
 from memplan.kernels.rms_norm import RMSNorm, reference_rms_norm, rms_norm
 from memplan.kernels.rope import reference_rope, rope
@@ -123,3 +127,75 @@ def test_rope_refuses_cos_sin_that_do_not_fit(device):
         rope(q, k, short.cos(), short.sin())
     with pytest.raises(UsageError, match="at least one head"):
         rope(q, k[:, :0], angle[:1].cos(), angle[:1].sin())
+
+
+# Each loss entry point with one option set: the functions and the modules' constructors.
+LOSS_ENTRY_POINTS = {
+    "cross_entropy": lambda **o: cross_entropy(torch.randn(3, 5), torch.tensor([0, 4, 2]), **o),
+    "fused_linear_cross_entropy": lambda **o: fused_linear_cross_entropy(
+        torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 4, 2]), **o
+    ),
+    "CrossEntropyLoss": lambda **o: CrossEntropyLoss(**o),
+    "FusedLinearCrossEntropyLoss": lambda **o: FusedLinearCrossEntropyLoss(**o),
+}
+
+
+@pytest.mark.parametrize("entry", list(LOSS_ENTRY_POINTS))
+@pytest.mark.parametrize(
+    "softcap",
+    [float("inf"), float("-inf"), float("nan"), 0.0, -30.0, True, "30", 3.4e38, 1e31, 1e-31],
+)
+def test_loss_softcap_must_be_none_or_finite_positive(entry, softcap):
+    """softcap=inf gave NaN losses (inf * tanh(x / inf) = inf * 0); True passed as a cap of 1;
+    a cap near fp32's max capped every logit to 0 (logits / cap flushed to zero)."""
+    with pytest.raises(UsageError, match=r"softcap must be None \(no cap\) or a finite positive"):
+        LOSS_ENTRY_POINTS[entry](softcap=softcap)
+
+
+@pytest.mark.parametrize("entry", list(LOSS_ENTRY_POINTS))
+@pytest.mark.parametrize("ignore_index", [True, False, 1.0, "-100", None, 2**64])
+def test_loss_ignore_index_must_be_an_int(entry, ignore_index):
+    """ignore_index=True passed (bool is an int subclass) and ignored class 1."""
+    with pytest.raises(UsageError, match="ignore_index must"):
+        LOSS_ENTRY_POINTS[entry](ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize("entry", list(LOSS_ENTRY_POINTS))
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("z_loss_scale", float("inf")),  # gave an inf or NaN loss
+        ("z_loss_scale", "0.1"),  # a TypeError from the comparison
+        ("z_loss_scale", True),
+        ("label_smoothing", "0.1"),
+        ("label_smoothing", True),
+    ],
+)
+def test_loss_numeric_options_are_checked(entry, option, value):
+    with pytest.raises(UsageError, match=option):
+        LOSS_ENTRY_POINTS[entry](**{option: value})
+
+
+@pytest.mark.parametrize("entry", ["cross_entropy", "fused_linear_cross_entropy"])
+@pytest.mark.parametrize("count", [float("inf"), float("nan"), "4"])
+def test_loss_num_items_in_batch_must_be_finite_positive(entry, count):
+    """num_items_in_batch=inf gave a loss of 0 and zero gradients; "4" a TypeError."""
+    with pytest.raises(UsageError, match="num_items_in_batch"):
+        LOSS_ENTRY_POINTS[entry](num_items_in_batch=count)
+
+
+def test_loss_ignore_index_as_an_integer_and_softcap_none_still_work(device):
+    """What the patched causal-LM forward passes: softcap None (a config's
+    final_logit_softcapping of None) means no cap; an integer ignore_index of any int type."""
+    logits = torch.randn(4, 7, device=device)
+    target = torch.tensor([1, 3, -100, 6], device=device)
+    ref = reference_cross_entropy(logits, target)
+    assert torch.allclose(cross_entropy(logits, target, softcap=None), ref, rtol=1e-5)
+    shifted = torch.tensor([1, 3, 5, 6], device=device)
+    got = cross_entropy(logits, shifted, ignore_index=5, softcap=30)
+    assert torch.allclose(
+        got, reference_cross_entropy(logits, shifted, ignore_index=5, softcap=30), rtol=1e-5
+    )
+    big = 2**40  # beyond int32: the kernels compare int64 targets
+    got = cross_entropy(logits, target.masked_fill(target < 0, big), ignore_index=big)
+    assert torch.allclose(got, ref, rtol=1e-5)

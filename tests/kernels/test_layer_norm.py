@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -146,3 +147,91 @@ def test_one_row_per_step_backward(device, monkeypatch, dtype):
     w = (torch.randn(127, device=device) * 0.5 + 1).to(dtype).requires_grad_()
     b = torch.randn(127, device=device).to(dtype).requires_grad_()
     run_and_compare(x, w, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("affine", ["no_weight", "no_weight_no_bias", "bias_only_frozen"])
+def test_absent_weight_and_bias_as_torch(device, dtype, affine):
+    """weight=None (nn.LayerNorm(elementwise_affine=False)) raised AttributeError; as
+    F.layer_norm, no weight is a scale of 1, no bias a shift of 0, and no gradient comes back
+    for an absent parameter."""
+    torch.manual_seed(4)
+    x = (torch.randn(3, 11, 97, device=device) * 2 + 1).to(dtype).requires_grad_()
+    b = torch.randn(97, device=device).to(dtype)
+    b = None if affine == "no_weight_no_bias" else b.requires_grad_(affine == "no_weight")
+    y = layer_norm(x, None, b, 1e-5)
+    xr = x.detach().float().requires_grad_()
+    br = None if b is None else b.detach().float().requires_grad_(b.requires_grad)
+    ref = F.layer_norm(xr, (97,), None, br, 1e-5)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert rel(y, ref) <= TOL[dtype]
+    dy = torch.randn_like(y)
+    leaves = [t for t in (x, b) if t is not None and t.requires_grad]
+    ref_leaves = [t for t in (xr, br) if t is not None and t.requires_grad]
+    got = torch.autograd.grad(y, leaves, dy)
+    want = torch.autograd.grad(ref, ref_leaves, dy.float())
+    for g, r, leaf in zip(got, want, leaves, strict=True):
+        assert g.dtype == leaf.dtype and rel(g, r) <= TOL[dtype]
+
+
+def test_absent_weight_through_the_module_path_and_torch_compile(device):
+    """nn.LayerNorm(elementwise_affine=False)'s call, eager and compiled (the custom op)."""
+    torch.manual_seed(5)
+    theirs = torch.nn.LayerNorm(40, elementwise_affine=False).to(device)
+    x = torch.randn(6, 40, device=device, requires_grad=True)
+    ref = theirs(x)
+    dy = torch.randn_like(ref)
+    (dx_ref,) = torch.autograd.grad(ref, x, dy)
+
+    def fused(t):
+        return layer_norm(t, theirs.weight, theirs.bias, theirs.eps)
+
+    for fn in (fused, torch.compile(fused, backend="aot_eager", fullgraph=True)):
+        y = fn(x)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        assert rel(y, ref) <= 1e-5 and rel(dx, dx_ref) <= 1e-5
+
+
+def test_absent_weight_on_meta_tensors():
+    """register_fake of the forward and backward ops with weight (and bias) None."""
+    x = torch.empty(4, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.empty(16, device="meta", dtype=torch.float32, requires_grad=True)
+    for bias in (None, b):
+        y = layer_norm(x, None, bias, 1e-5)
+        assert y.is_meta and y.shape == x.shape and y.dtype == x.dtype
+        leaves = (x,) if bias is None else (x, bias)
+        grads = torch.autograd.grad(y, leaves, torch.empty_like(y))
+        assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in leaves]
+
+
+def test_absent_weight_saves_what_the_contract_says(device, saved_storage_bytes):
+    rows, hidden = 37, 96
+    norm = torch.nn.LayerNorm(hidden, elementwise_affine=False).to(device)
+    x = torch.randn(rows, hidden, device=device, requires_grad=True)
+    saved = saved_storage_bytes(lambda: layer_norm(x, None, None, 1e-5), norm)
+    assert saved == layer_norm_saved_bytes(rows, hidden, 4)
+
+
+def test_module_without_elementwise_affine_matches_torch(device):
+    torch.manual_seed(6)
+    ours = LayerNorm(32, elementwise_affine=False).to(device)
+    theirs = torch.nn.LayerNorm(32, elementwise_affine=False).to(device)
+    assert ours.weight is None and ours.bias is None and not list(ours.parameters())
+    x = torch.randn(5, 32, device=device)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+    assert "elementwise_affine=False" in repr(ours)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1e-5, "1e-5", True])
+def test_bad_eps_raises_usage_error(eps):
+    """A negative or nan eps gave NaN rows, a string a TypeError from the launcher."""
+    with pytest.raises(UsageError, match="eps must be a finite number"):
+        layer_norm(torch.randn(2, 8), torch.ones(8), None, eps)
+
+
+def test_integer_bias_raises_usage_error():
+    """An integer bias was read as floats (F.layer_norm refuses it)."""
+    with pytest.raises(UsageError, match="floating-point"):
+        layer_norm(torch.randn(2, 8), None, torch.ones(8, dtype=torch.int64), 1e-5)
+    with pytest.raises(UsageError, match=r"\(7,\) do not match hidden size 8"):
+        layer_norm(torch.randn(2, 8), None, torch.ones(7), 1e-5)

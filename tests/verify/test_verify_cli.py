@@ -58,10 +58,10 @@ def test_usage_errors_are_one_line_exit_2(monkeypatch, args, message):
     assert launcher.cases == []  # nothing was run
 
 
-def test_unknown_model_exit_1(monkeypatch):
+def test_unknown_model_exit_2(monkeypatch):
     use_child(monkeypatch, lambda case: ok_result())
     result = invoke(verify_command, ["--model", "no-such-model-xyz", "--batch", "1", "--seq", "8"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert (
         result.stderr
         == "Error: unknown model 'no-such-model-xyz' (run `memplan models` for the catalog)\n"
