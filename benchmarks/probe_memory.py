@@ -235,10 +235,12 @@ def run_peak(args) -> dict:
             history.append((ev["action"], ev["size"], where(ev), allocated))
     groups: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
+    sizes: dict[str, list[int]] = collections.defaultdict(list)
     for ev in best[2].values():
         key = where(ev)
         groups[key] += ev["size"]
         counts[key] += 1
+        sizes[key].append(ev["size"])
     peak_event = trace[best[1]]
     return dict(
         case=vars(args),
@@ -246,7 +248,10 @@ def run_peak(args) -> dict:
         peaks=peaks,
         traced_peak=best[0],
         peak_event=where(peak_event),
-        live_at_peak=[dict(where=k, bytes=v, count=counts[k]) for k, v in groups.most_common(60)],
+        live_at_peak=[
+            dict(where=k, bytes=v, count=counts[k], largest=sorted(sizes[k])[-8:])
+            for k, v in groups.most_common(60)
+        ],
         big_events=history[-4000:],
     )
 
