@@ -55,6 +55,16 @@ class Saved:
     def bytes(self, tokens: int) -> int:
         return int(sum(self.per_token.values()) * tokens) + sum(self.constant.values())
 
+    def bytes_of(self, tokens: int, prefixes: tuple[str, ...]) -> int:
+        """Bytes of the entries whose names start with one of `prefixes`."""
+        per_token = sum(v for k, v in self.per_token.items() if k.startswith(prefixes))
+        constant = sum(v for k, v in self.constant.items() if k.startswith(prefixes))
+        return int(per_token * tokens) + constant
+
+
+# Entries of layer_saved that the layer saves after attention (its MLP and the norms around it).
+AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "norm.post_mlp")
+
 
 @dataclass(frozen=True)
 class LayerContext:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import (
+    AFTER_ATTENTION,
     FP32,
     INT64,
     DtypePlan,
@@ -91,6 +92,9 @@ class ForwardSaved:
 
     layers: list[int]
     final_norm: int
+    # Of each layer's bytes, what the norms and MLP after attention saved: backward frees it
+    # before it reaches attention.
+    layers_after_attention: list[int]
     embedding: int
     shared: int  # rotary cos/sin, shared by every layer
     loss: int
@@ -109,12 +113,15 @@ def forward_saved(
     blocks = round_block if rounded else int
     lora = bool(setup.lora_rank)
     contexts = layer_contexts(spec, setup, dtypes, backend)
-    by_kind: dict[tuple[bool, bool], int] = {}  # layers differ only in these two flags
+    by_kind: dict[tuple[bool, bool], tuple[int, int]] = {}  # layers differ only in these flags
     for ctx in contexts:
         kind = (ctx.sliding, ctx.needs_input_grad)
         if kind not in by_kind:
-            by_kind[kind] = blocks(layer_saved(ctx).bytes(tokens))
-    layers = [by_kind[(ctx.sliding, ctx.needs_input_grad)] for ctx in contexts]
+            saved = layer_saved(ctx)
+            after = saved.bytes_of(tokens, AFTER_ATTENTION)
+            by_kind[kind] = (blocks(saved.bytes(tokens)), blocks(after) if after else 0)
+    layers = [by_kind[(ctx.sliding, ctx.needs_input_grad)][0] for ctx in contexts]
+    after_attention = [by_kind[(ctx.sliding, ctx.needs_input_grad)][1] for ctx in contexts]
     final = Saved()
     norm_saved(
         contexts[-1],
@@ -134,6 +141,7 @@ def forward_saved(
         embedding += blocks(dtypes.residual)  # the sqrt(hidden) normalizer, a 0-d tensor
     return ForwardSaved(
         layers=layers,
+        layers_after_attention=after_attention,
         final_norm=blocks(final.bytes(tokens)),
         embedding=embedding,
         shared=shared,
@@ -218,7 +226,8 @@ class StepSizes:
     lm_head_grad: int
     layer_grad: int
     layer_fwd_transient: int
-    layer_bwd_transient: int
+    mlp_bwd_transient: int
+    attention_bwd_transient: int
     flce_transient: int
     flce_grads_to_fp32: int
 
@@ -282,12 +291,15 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         layer_fwd_transient=round_block(tokens * (3 * p * nh * hd + 2 * dtypes.residual * h)),
         # MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
         # (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
-        # d(product) when the projections are separate); attention backward holds dq, dk, dv
-        # and an fp32 dq accumulator.
-        layer_bwd_transient=round_block(
+        # d(product) when the projections are separate).
+        mlp_bwd_transient=round_block(
+            tokens * ((1 if glu_in_place else 3) * p * inter + 2 * p * h)
+        ),
+        # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
+        # gradients where attention materializes scores.
+        attention_bwd_transient=round_block(
             tokens
             * max(
-                (1 if glu_in_place else 3) * p * inter + 2 * p * h,
                 p * (nh + 2 * kv) * hd + FP32 * nh * hd,
                 attention_scores_backward_bytes(spec, setup, dtypes, backend),
             )
@@ -322,7 +334,7 @@ def attention_scores_backward_bytes(
     spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str
 ) -> int:
     """Per token: what backward holds beyond the saved probabilities when attention materializes
-    (heads x seq) scores. In bf16, eager softmax(scores, dtype=float32).to(bf16) holds d(probs)
+    (heads x seq) scores (by then the layer's MLP has freed what it saved). In bf16, eager softmax(scores, dtype=float32).to(bf16) holds d(probs)
     (2), its fp32 upcast (4) and the fp32 d(scores) softmax backward writes (4) at once:
     measured on an H200, llama-3.2-1b batch 2 x 2048 with kernels, whose peak falls there. In
     fp32 eager: d(probs) and d(scores), 4 bytes each. CUDA SDPA's math path (fp32 with grouped
@@ -431,7 +443,13 @@ def walk_step(
 
     for index in reversed(range(len(saved.layers))):
         recompute = saved.layers[index] if ckpt else 0
-        walk.mark("backward", f"layer {index} backward", recompute + sizes.layer_bwd_transient)
+        # The MLP's backward runs first; by attention's, what the layer saved after attention
+        # is freed.
+        transient = max(
+            sizes.mlp_bwd_transient,
+            sizes.attention_bwd_transient - saved.layers_after_attention[index],
+        )
+        walk.mark("backward", f"layer {index} backward", recompute + transient)
         walk.add("activations", -(sizes.residual if ckpt else saved.layers[index]))
         keep_gradient(sizes.layer_grad)
     walk.alive["activations"] = 0
