@@ -13,6 +13,7 @@ GIB = 2**30
 BREAKDOWN_LABELS = {
     "activations": "the activations saved for backward",
     "logits_and_loss": "the logits and the loss",
+    "kv_cache": "the KV cache transformers builds in training",
     "transient": "the temporaries of the op at the peak",
 }
 

@@ -67,6 +67,8 @@ class ModelSpec(BaseModel):
     head_dim: int = Field(gt=0)
     max_position_embeddings: int = Field(gt=0)
     tie_word_embeddings: bool = False
+    # transformers builds a KV cache in training too when this is on (and checkpointing off).
+    use_cache: bool = True
     hidden_act: str = "silu"
     norm: Literal["rms", "layer"] = "rms"
     attention_bias: bool = False

@@ -236,3 +236,43 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
     )
     expected = forward_saved(spec, setup, backend="cuda", rounded=False).total
     assert expected == sum(t["nbytes"] for t in measured)
+
+
+@pytest.mark.parametrize(
+    "model_type,precision,setup_options",
+    [
+        ("llama", "bf16", {}),
+        ("phi3", "amp-bf16", {}),
+        ("qwen3", "fp32", {}),
+        ("llama", "bf16", {"grad_checkpointing": True}),
+        ("llama", "amp-bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
+        ("llama", "amp-bf16", {"kernels": ("rope",)}),
+    ],
+)
+def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> None:
+    """transformers builds a KV cache in training (k after RoPE in the residual dtype, v in k's),
+    held by the output until forward returns; not with checkpointing, nor under memplan's
+    causal-LM forward. The estimator's cache bytes equal the cache the model returns."""
+    import memplan
+    from memplan.estimators.timeline import step_sizes, walk_step
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
+    setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], precision=precision, **setup_options)
+    if setup.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    if setup.kernels:
+        memplan.apply(model, plan=None, kernels=list(setup.kernels))
+    ids = torch.randint(0, cfg.vocab_size, (PROBE["batch"], PROBE["seq"]))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.startswith("amp")):
+        cache = model(input_ids=ids, labels=ids).past_key_values
+    measured = (
+        0
+        if cache is None
+        else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    )
+    spec = spec_from_config(probe_config(model_type))
+    walk = walk_step(spec, setup, step_sizes(spec, setup, None, "cpu"), steady=True)
+    assert measured == max(snapshot.get("kv_cache", 0) for snapshot in walk.snapshots)

@@ -23,6 +23,7 @@ _COMMON: dict[str, Any] = {
     "attention_bias": False,
     "mlp_bias": False,
     "sliding_window": None,
+    "use_cache": True,
 }
 
 # Per model_type: transformers' defaults, and which architectural traits the family has.
@@ -250,6 +251,7 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "head_dim": head_dim,
         "max_position_embeddings": _positive_int(cfg, "max_position_embeddings"),
         "tie_word_embeddings": _boolean(cfg, "tie_word_embeddings"),
+        "use_cache": _boolean(cfg, "use_cache"),
         # The original Gemma releases say "gelu", which transformers builds as exact (erf) GELU:
         # kept as given (geglu with approximate="none"; the patch checks the module's act_fn).
         "hidden_act": _string(cfg, family.get("act_key", "hidden_act")),
@@ -291,6 +293,7 @@ _NULL_MEANS_DEFAULT = frozenset(
         "num_attention_heads",
         "max_position_embeddings",
         "tie_word_embeddings",
+        "use_cache",
         "hidden_act",
         "hidden_activation",
         "attention_bias",

@@ -226,6 +226,7 @@ class StepSizes:
     lm_head_grad: int
     layer_grad: int
     layer_fwd_transient: int
+    kv_cache_per_layer: int
     mlp_bwd_transient: int
     attention_bwd_transient: int
     flce_transient: int
@@ -289,6 +290,11 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         else counts.per_layer * dtypes.param,
         # Raw q, k, v before RoPE and its rotate_half temporaries, plus the residual pair.
         layer_fwd_transient=round_block(tokens * (3 * p * nh * hd + 2 * dtypes.residual * h)),
+        # k after HF's RoPE takes the dtype of cos/sin, the residual's (fp32 under autocast;
+        # memplan's RoPE keeps k's); the cache's v follows k (transformers 5 lazy-initializes
+        # both from the keys' dtype).
+        kv_cache_per_layer=2
+        * round_block(tokens * kv * hd * (p if "rope" in setup.kernels else dtypes.residual)),
         # MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
         # (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
         # d(product) when the projections are separate).
@@ -334,8 +340,9 @@ def attention_scores_backward_bytes(
     spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str
 ) -> int:
     """Per token: what backward holds beyond the saved probabilities when attention materializes
-    (heads x seq) scores (by then the layer's MLP has freed what it saved). In bf16, eager softmax(scores, dtype=float32).to(bf16) holds d(probs)
-    (2), its fp32 upcast (4) and the fp32 d(scores) softmax backward writes (4) at once:
+    (heads x seq) scores (by then the layer's MLP has freed what it saved). In bf16, eager
+    softmax(scores, dtype=float32).to(bf16) holds d(probs) (2), its fp32 upcast (4) and the
+    fp32 d(scores) softmax backward writes (4) at once:
     measured on an H200, llama-3.2-1b batch 2 x 2048 with kernels, whose peak falls there. In
     fp32 eager: d(probs) and d(scores), 4 bytes each. CUDA SDPA's math path (fp32 with grouped
     KV heads) holds three fp32 (heads x seq) tensors at once in its backward: seen in an H200
@@ -389,15 +396,20 @@ def walk_step(
         )
     walk.mark("start", "weights + optimizer states")
 
+    hf_loss = "flce" not in kernels and "cross_entropy" not in kernels
+    # transformers builds a KV cache in training too, unless checkpointing turns it off or
+    # memplan's causal-LM forward (patched with a loss kernel) does: a copy of every layer's k
+    # and v, held by the model output until forward returns.
+    cache_per_layer = sizes.kv_cache_per_layer if hf_loss and not ckpt and spec.use_cache else 0
     walk.add("activations", saved.shared + saved.embedding)
     for index, layer_bytes in enumerate(saved.layers):
         recomputed_later = layer_bytes if ckpt else 0
+        walk.add("kv_cache", cache_per_layer)
         walk.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
         walk.add("activations", sizes.residual if ckpt else layer_bytes)
     walk.add("activations", saved.final_norm)
     walk.mark("forward", "final norm", sizes.residual)
 
-    hf_loss = "flce" not in kernels and "cross_entropy" not in kernels
     upcast = sizes.logits_fp32 if sizes.logits_p < sizes.logits_fp32 else 0
     if "flce" in kernels:
         walk.mark(
@@ -418,6 +430,7 @@ def walk_step(
             "logits_and_loss",
         )
     walk.add("logits_and_loss", saved.loss)
+    walk.alive["kv_cache"] = 0
     walk.mark("forward", "end of forward")
 
     if hf_loss:
