@@ -411,22 +411,26 @@ def walk_step(
     walk.mark("forward", "final norm", sizes.residual)
 
     upcast = sizes.logits_fp32 if sizes.logits_p < sizes.logits_fp32 else 0
+    # The final norm's output, the loss's input, is alive until forward returns; it counts here
+    # where nothing saved it: FLCE, a frozen lm_head (LoRA), or autocast (lm_head saves a copy).
+    unsaved = "flce" in kernels or bool(setup.lora_rank) or DtypePlan.of(setup.precision).autocast
+    norm_out = sizes.residual if unsaved else 0
     if "flce" in kernels:
         walk.mark(
             "loss",
             "fused linear cross entropy",
-            saved.loss + sizes.flce_transient,
+            norm_out + saved.loss + sizes.flce_transient,
             "logits_and_loss",
         )
     elif "cross_entropy" in kernels:
-        walk.mark("loss", "logits + cross-entropy kernel", saved.loss, "logits_and_loss")
+        walk.mark("loss", "logits + cross-entropy kernel", norm_out + saved.loss, "logits_and_loss")
     else:
         # lm_head output (held by the model output until forward returns), its fp32 upcast
         # and log_softmax's output (part of saved.loss).
         walk.mark(
             "loss",
             "logits, fp32 upcast, log_softmax",
-            sizes.logits_p + upcast + saved.loss,
+            norm_out + sizes.logits_p + upcast + saved.loss,
             "logits_and_loss",
         )
     walk.add("logits_and_loss", saved.loss)
