@@ -295,9 +295,10 @@ def main() -> None:
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    result = (
-        run_saved(args.device, args.kernels, args.lora) if args.mode == "saved" else run_peak(args)
-    )
+    if args.mode == "saved":
+        result = run_saved(args.device, args.kernels, lora=args.lora is not None)
+    else:
+        result = run_peak(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", args.out)

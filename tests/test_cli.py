@@ -123,14 +123,18 @@ def test_an_unknown_model_name_is_a_usage_error(command) -> None:
 
 @pytest.mark.parametrize("offline", ["0", "1"])
 def test_a_malformed_hub_id_is_a_usage_error(offline) -> None:
-    """'org/name/extra' is no repository id: refused before any request, offline or not, exit
-    2 (a well-formed id the hub does not give stays exit 1: tests/test_catalog.py)."""
+    """'org/bad name' is no repository id: refused before any request, offline or not, exit
+    2 (a well-formed id the hub does not give stays exit 1: tests/test_catalog.py). Two '/' or
+    more read as a missing relative path, exit 1 like other missing paths."""
     env = {**os.environ, "HF_HUB_OFFLINE": offline}
-    run = memplan("advise", "--model", "org/name/extra", "--batch", "1", "--seq", "8", env=env)
+    run = memplan("advise", "--model", "org/bad name", "--batch", "1", "--seq", "8", env=env)
     assert run.returncode == 2
     assert len(run.stderr.splitlines()) == 1
-    assert "unknown model 'org/name/extra'" in run.stderr
+    assert "unknown model 'org/bad name'" in run.stderr
     assert "(not a valid repository id)" in run.stderr
+    run = memplan("advise", "--model", "ckpt/run1/final", "--batch", "1", "--seq", "8", env=env)
+    assert run.returncode == 1
+    assert run.stderr == "Error: no such file or folder: ckpt/run1/final\n"
 
 
 def test_unknown_architecture(tmp_path) -> None:

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from memplan.errors import MemplanError, UsageError
 from memplan.schema import ModelSpec
 
 _MODELS_JSON = Path(__file__).with_name("models.json")
-_PATH_PREFIXES = ("/", "./", "../", "~", ".\\")
+_PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
+_WINDOWS_DRIVE = re.compile(r"[A-Za-z]:[\\/]")
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,9 @@ def _catalog_model(key: str) -> CatalogModel:
 
 def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> ModelSpec:
     """The ModelSpec for a catalog name, a config.json path or folder, or a hub id. A name that
-    is none of these (nor a malformed hub id) is a UsageError; a missing path, a bad config or
-    a hub id the hub does not give is a MemplanError."""
+    is none of these, or a malformed hub id ('org/bad name'), is a UsageError; a missing path
+    (_PATH_PREFIXES, a drive letter, *.json, or two '/' or more), a bad config or a hub id the
+    hub does not give is a MemplanError."""
     query = name_or_path.strip()
     if not query:
         raise UsageError("the model name is empty (run `memplan models` for the catalog)")
@@ -78,7 +81,9 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
     path = Path(query).expanduser()
     if path.exists():
         return spec_from_config(_read_config(path), name=query)
-    if query.startswith(_PATH_PREFIXES) or query.endswith(".json"):
+    # A hub id has one '/': more reads as a relative path (checkpoints/run1/final).
+    reads_as_path = _WINDOWS_DRIVE.match(query) or query.endswith(".json") or query.count("/") > 1
+    if query.startswith(_PATH_PREFIXES) or reads_as_path:
         raise MemplanError(f"no such file or folder: {query}")
 
     key = _substring_key(query)
