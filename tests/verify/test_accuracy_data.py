@@ -59,3 +59,20 @@ def test_prediction_error_within_goal(measured, group, step1):
     assert stats.median_abs_pct <= GOAL_MEDIAN_PCT, detail
     for m in ms:
         assert abs((m.step1_error_pct if step1 else m.error_pct) or 0.0) <= GOAL_MAX_PCT, detail
+
+
+# What the estimator reached on these measurements (session 10: steady median 0.02% and max
+# 1.77%, step 1 median 0.14% and max 2.09%), with a margin: a change that loses accuracy on
+# cases it got right fails here long before it leaves the goal.
+REACHED = {False: (0.1, 2.0), True: (0.25, 2.5)}  # step1 -> (median, max) |error| in %
+
+
+@pytest.mark.parametrize("step1", [False, True], ids=["steady peak", "step-1 peak"])
+def test_prediction_error_stays_where_it_was(measured, step1):
+    median_pct, max_pct = REACHED[step1]
+    for group in GROUPS:
+        ms = [m for m in measured if kernel_group(m) == group]
+        stats = error_stats(ms, step1=step1)
+        detail = f"kernels {group}: worst:\n{_table(ms, step1)}"
+        assert stats.median_abs_pct <= median_pct, detail
+        assert stats.max_abs_pct <= max_pct, detail
