@@ -194,7 +194,9 @@ def run_peak(args) -> dict:
         cfg_dict["num_hidden_layers"] = args.layers
     cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    # Stacks on allocations only: capturing them on frees too loses the exception with which
+    # non-reentrant checkpointing stops its recompute early (SystemError, torch 2.11).
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="alloc")
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=args.attn)
     if args.grad_ckpt:
