@@ -180,22 +180,25 @@ KERNEL_PROBE = json.loads(
 def test_patched_model_matches_h200_probe(case: str) -> None:
     """memplan.apply with every kernel the family supports (FLCE for the loss), recorded on an
     H200 by `probe_memory.py saved --kernels all`: bf16, fp32 and autocast, SDPA and eager."""
+    _, precision, attn = case.split("/")
+    assert_matches_probe(KERNEL_PROBE, case, precision=precision, attn=attn, all_kernels=True)
+
+
+def assert_matches_probe(probe: dict, case: str, *, all_kernels: bool, **setup) -> None:
+    """The estimator's forward-saved bytes for one case of a probe file (benchmarks/
+    probe_memory.py saved) equal the bytes the GPU recorded; all_kernels: every kernel the
+    family supports, as `--kernels all` applied them."""
     from memplan.advisor import best_kernel_set, supported_kernels
 
-    measured = KERNEL_PROBE["saved"][case]
+    measured = probe["saved"][case]
     if isinstance(measured, dict):
         pytest.skip(f"the probe could not run this case on the GPU: {measured['error'][:80]}")
-    model_type, precision, attn = case.split("/")
-    overrides = {**KERNEL_PROBE["tiny"], **KERNEL_PROBE["families"][model_type]}
+    model_type = case.split("/")[0]
+    overrides = {**probe["tiny"], **probe["families"][model_type]}
     spec = spec_from_config(AutoConfig.for_model(model_type, **overrides).to_dict())
-    setup = TrainSetup(
-        batch=KERNEL_PROBE["batch"],
-        seq=KERNEL_PROBE["seq"],
-        precision=precision,
-        attn=attn,
-        kernels=best_kernel_set(supported_kernels(spec)),
-    )
-    expected = forward_saved(spec, setup, backend="cuda", rounded=False).total
+    kernels = best_kernel_set(supported_kernels(spec)) if all_kernels else ()
+    train = TrainSetup(batch=probe["batch"], seq=probe["seq"], kernels=kernels, **setup)
+    expected = forward_saved(spec, train, backend="cuda", rounded=False).total
     assert expected == sum(t["nbytes"] for t in measured)
 
 
@@ -216,26 +219,17 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
     """peft LoRA on every family, bf16 / fp32 / autocast, SDPA and eager, with kernels off and
     with every kernel the family supports, recorded on an H200 by `probe_memory.py saved --lora`
     (CUDA's autocast and attention backends, which the CPU tests cannot reach)."""
-    from memplan.advisor import best_kernel_set, supported_kernels
-
     probe = LORA_PROBES[kernels]
-    measured = probe["saved"][case]
-    if isinstance(measured, dict):
-        pytest.skip(f"the probe could not run this case on the GPU: {measured['error'][:80]}")
-    model_type, precision, attn, targets = case.split("/")
-    overrides = {**probe["tiny"], **probe["families"][model_type]}
-    spec = spec_from_config(AutoConfig.for_model(model_type, **overrides).to_dict())
-    setup = TrainSetup(
-        batch=probe["batch"],
-        seq=probe["seq"],
+    _, precision, attn, targets = case.split("/")
+    assert_matches_probe(
+        probe,
+        case,
         precision=precision,
         attn=attn,
         lora_rank=probe["lora"]["r"],
         lora_targets=tuple(targets.split("+")),
-        kernels=best_kernel_set(supported_kernels(spec)) if kernels == "kernels" else (),
+        all_kernels=kernels == "kernels",
     )
-    expected = forward_saved(spec, setup, backend="cuda", rounded=False).total
-    assert expected == sum(t["nbytes"] for t in measured)
 
 
 @pytest.mark.parametrize(
