@@ -14,6 +14,8 @@ BREAKDOWN_LABELS = {
     "activations": "the activations saved for backward",
     "logits_and_loss": "the logits and the loss",
     "kv_cache": "the KV cache transformers builds in training",
+    "autocast_cache": "the weight copies autocast caches in forward",
+    "previous_step": "the last step's embedding output and its gradient",
     "transient": "the temporaries of the op at the peak",
 }
 

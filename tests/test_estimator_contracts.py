@@ -270,3 +270,48 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     spec = spec_from_config(probe_config(model_type))
     walk = walk_step(spec, setup, step_sizes(spec, setup, None, "cpu"), steady=True)
     assert measured == max(snapshot.get("kv_cache", 0) for snapshot in walk.snapshots)
+
+
+def test_checkpointed_lora_keeps_the_embedding_leaf_until_the_next_forward() -> None:
+    """Under checkpointing peft makes the frozen embedding's output a leaf that requires grad;
+    the graph the caller's `loss` holds keeps it and its gradient after backward, until the next
+    step replaces `loss` (measured on an H200: two hidden-state tensors more at the next FLCE
+    peak). The estimator keeps the same two tensors from the end of backward to the next
+    forward's end."""
+    import gc
+
+    from memplan.estimators.timeline import step_sizes, walk_step
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", **{**PROBE["tiny"], **PROBE["families"]["llama"]})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).train()
+    model.gradient_checkpointing_enable()
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(model, lora)
+    ids = torch.randint(0, cfg.vocab_size, (PROBE["batch"], PROBE["seq"]))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    shape = (PROBE["batch"], PROBE["seq"], cfg.hidden_size)
+
+    def kept_leaves() -> list[torch.Tensor]:
+        gc.collect()
+        return [
+            t
+            for t in gc.get_objects()
+            if type(t) is torch.Tensor and t.is_leaf and t.requires_grad and t.shape == shape
+        ]
+
+    (leaf,) = kept_leaves()
+    measured = leaf.untyped_storage().nbytes() + leaf.grad.untyped_storage().nbytes()
+    del leaf, loss
+    assert kept_leaves() == []
+
+    setup = TrainSetup(
+        batch=PROBE["batch"], seq=PROBE["seq"], grad_checkpointing=True, lora_rank=16,
+        lora_targets=("q_proj",),
+    )  # fmt: skip
+    spec = spec_from_config(probe_config("llama"))
+    walk = walk_step(spec, setup, step_sizes(spec, setup, None, "cpu"), steady=True)
+    assert walk.snapshots[0]["previous_step"] == measured
+    assert walk.snapshots[-1]["previous_step"] == measured

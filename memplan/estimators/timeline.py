@@ -18,6 +18,7 @@ from memplan.estimators.contracts import (
     LayerContext,
     Saved,
     attention_masked,
+    autocast_weight_params,
     gemma_norms,
     layer_saved,
     norm_saved,
@@ -227,6 +228,7 @@ class StepSizes:
     layer_grad: int
     layer_fwd_transient: int
     kv_cache_per_layer: int
+    autocast_cache: int
     mlp_bwd_transient: int
     attention_bwd_transient: int
     flce_transient: int
@@ -293,6 +295,13 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         # k after HF's RoPE takes the dtype of cos/sin, the residual's (fp32 under autocast;
         # memplan's RoPE keeps k's); the cache's v follows k (transformers 5 lazy-initializes
         # both from the keys' dtype).
+        # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
+        # saved by its matmul, counted with the loss).
+        autocast_cache=round_block(
+            (n_lora if lora else autocast_weight_params(spec) * spec.num_hidden_layers) * p
+        )
+        if dtypes.autocast
+        else 0,
         kv_cache_per_layer=2
         * round_block(tokens * kv * hd * (p if "rope" in setup.kernels else dtypes.residual)),
         # MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
@@ -394,7 +403,15 @@ def walk_step(
             + tied_embedding
             + final_norm_grad,
         )
+    # Under checkpointing peft makes the frozen embedding's output a leaf that requires grad:
+    # the step's graph keeps it and, after backward, its gradient, for as long as the caller
+    # keeps the loss, i.e. until the next step's forward returns.
+    embedding_leaf = 2 * sizes.residual if ckpt and setup.lora_rank else 0
+    walk.add("previous_step", embedding_leaf if steady or accumulating else 0)
     walk.mark("start", "weights + optimizer states")
+    # Under checkpointing nothing saves the low-precision copies autocast caches of trainable
+    # weights, but the cache holds them until the forward's autocast region ends.
+    walk.add("autocast_cache", sizes.autocast_cache if ckpt else 0)
 
     hf_loss = "flce" not in kernels and "cross_entropy" not in kernels
     # transformers builds a KV cache in training too, unless checkpointing turns it off or
@@ -434,7 +451,7 @@ def walk_step(
             "logits_and_loss",
         )
     walk.add("logits_and_loss", saved.loss)
-    walk.alive["kv_cache"] = 0
+    walk.alive["kv_cache"] = walk.alive["autocast_cache"] = walk.alive["previous_step"] = 0
     walk.mark("forward", "end of forward")
 
     if hf_loss:
@@ -471,6 +488,7 @@ def walk_step(
         keep_gradient(sizes.layer_grad)
     walk.alive["activations"] = 0
     walk.alive["transient"] = 0
+    walk.add("previous_step", embedding_leaf)
     if not setup.lora_rank:
         if spec.tie_word_embeddings:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
