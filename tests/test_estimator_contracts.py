@@ -315,3 +315,31 @@ def test_checkpointed_lora_keeps_the_embedding_leaf_until_the_next_forward() -> 
     walk = walk_step(spec, setup, step_sizes(spec, setup, None, "cpu"), steady=True)
     assert walk.snapshots[0]["previous_step"] == measured
     assert walk.snapshots[-1]["previous_step"] == measured
+
+
+KV1_PROBE = json.loads((Path(__file__).parent / "data" / "saved_cuda_probe_kv1.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(KV1_PROBE["saved"]))
+def test_one_kv_head_matches_h200_probe(case: str) -> None:
+    """One KV head (gemma-3-1b): HF's repeat_kv is then a view, so SDPA with a sliding-window
+    mask saves k and v at one head, unless autocast casts them into a full-size copy."""
+    _, precision, kernels = case.split("/")
+    assert_matches_probe(
+        KV1_PROBE, case, precision=precision, attn="sdpa", all_kernels=kernels == "all"
+    )
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "llama"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_one_kv_head_matches_autograd_on_cpu(model_type, precision, attn, saved_storage_bytes):
+    overrides = {**PROBE["tiny"], **PROBE["families"][model_type], "num_key_value_heads": 1}
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **overrides)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn).train()
+    measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=False)
+    setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], precision=precision, attn=attn)
+    spec = spec_from_config(cfg.to_dict())
+    assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured

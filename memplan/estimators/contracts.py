@@ -171,8 +171,11 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         # With a mask HF repeats k and v itself, and the memory-efficient kernel saves its own
         # copy of the (batch x 1 x seq x seq) mask and a logsumexp padded to 32 positions. In
         # fp32 without a mask and without grouped heads (kv == heads), flash attention refuses
-        # fp32 and the same kernel runs, without a mask.
-        out.add("attn.qkv", 3 * p * nh * hd)
+        # fp32 and the same kernel runs, without a mask. With one KV head the repeat is a view
+        # and k and v are saved as they are, unless autocast casts them to a full-size copy
+        # (HF's RoPE leaves k in fp32 under autocast): CPU and H200 probes, gemma3 with kv = 1.
+        views = kv == 1 and not (ctx.dtypes.autocast and "rope" not in ctx.kernels)
+        out.add("attn.qkv", p * nh * hd + 2 * p * (kv if views else nh) * hd)
         out.add("attn.lse", FP32 * nh * (-(-seq // 32) * 32) / seq)
         if masked:
             out.add("attn.mask", p * seq)
