@@ -219,17 +219,24 @@ def run_peak(args) -> dict:
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][0]
+    # A block counts as allocated until the allocator frees it (free_completed), as
+    # max_memory_allocated does: a block used on another stream is freed only after that
+    # stream's work, later than the free request.
     live: dict[int, dict] = {}
+    requested: set[int] = set()
     allocated = 0
-    best = (0, -1, {})
+    best = (0, -1, {}, set())
     history = []
     for i, ev in enumerate(trace):
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             allocated += ev["size"]
             if allocated > best[0]:
-                best = (allocated, i, dict(live))
-        elif ev["action"] in ("free_requested",):
+                best = (allocated, i, dict(live), set(requested))
+        elif ev["action"] == "free_requested":
+            requested.add(ev["addr"])
+        elif ev["action"] == "free_completed":
+            requested.discard(ev["addr"])
             old = live.pop(ev["addr"], None)
             if old is not None:
                 allocated -= old["size"]
@@ -243,6 +250,10 @@ def run_peak(args) -> dict:
         groups[key] += ev["size"]
         counts[key] += 1
         sizes[key].append(ev["size"])
+    pending: collections.Counter = collections.Counter()
+    for addr in best[3]:
+        if addr in best[2]:
+            pending[where(best[2][addr])] += best[2][addr]["size"]
     peak_event = trace[best[1]]
     return dict(
         case=vars(args),
@@ -250,6 +261,7 @@ def run_peak(args) -> dict:
         peaks=peaks,
         traced_peak=best[0],
         peak_event=where(peak_event),
+        freed_but_pending_at_peak=[dict(where=k, bytes=v) for k, v in pending.most_common(20)],
         live_at_peak=[
             dict(where=k, bytes=v, count=counts[k], largest=sorted(sizes[k])[-8:])
             for k, v in groups.most_common(60)
