@@ -15,7 +15,7 @@ BREAKDOWN_LABELS = {
     "logits_and_loss": "the logits and the loss",
     "kv_cache": "the KV cache transformers builds in training",
     "autocast_cache": "the weight copies autocast caches in forward",
-    "previous_step": "the last step's embedding output and its gradient",
+    "embedding_leaf": "the embedding output and its gradient that the loss's graph keeps",
     "transient": "the temporaries of the op at the peak",
 }
 

@@ -313,8 +313,8 @@ def test_checkpointed_lora_keeps_the_embedding_leaf_until_the_next_forward() -> 
     )  # fmt: skip
     spec = spec_from_config(probe_config("llama"))
     walk = walk_step(spec, setup, step_sizes(spec, setup, None, "cpu"), steady=True)
-    assert walk.snapshots[0]["previous_step"] == measured
-    assert walk.snapshots[-1]["previous_step"] == measured
+    assert walk.snapshots[0]["embedding_leaf"] == measured
+    assert walk.snapshots[-1]["embedding_leaf"] == measured
 
 
 KV1_PROBE = json.loads((Path(__file__).parent / "data" / "saved_cuda_probe_kv1.json").read_text())

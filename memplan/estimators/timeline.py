@@ -292,9 +292,6 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         else counts.per_layer * dtypes.param,
         # Raw q, k, v before RoPE and its rotate_half temporaries, plus the residual pair.
         layer_fwd_transient=round_block(tokens * (3 * p * nh * hd + 2 * dtypes.residual * h)),
-        # k after HF's RoPE takes the dtype of cos/sin, the residual's (fp32 under autocast;
-        # memplan's RoPE keeps k's); the cache's v follows k (transformers 5 lazy-initializes
-        # both from the keys' dtype).
         # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
         # saved by its matmul, counted with the loss).
         autocast_cache=round_block(
@@ -302,6 +299,9 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         )
         if dtypes.autocast
         else 0,
+        # k after HF's RoPE takes the dtype of cos/sin, the residual's (fp32 under autocast;
+        # memplan's RoPE keeps k's); the cache's v follows k (transformers 5 lazy-initializes
+        # both from the keys' dtype).
         kv_cache_per_layer=2
         * round_block(tokens * kv * hd * (p if "rope" in setup.kernels else dtypes.residual)),
         # MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
@@ -407,7 +407,7 @@ def walk_step(
     # the step's graph keeps it and, after backward, its gradient, for as long as the caller
     # keeps the loss, i.e. until the next step's forward returns.
     embedding_leaf = 2 * sizes.residual if ckpt and setup.lora_rank else 0
-    walk.add("previous_step", embedding_leaf if steady or accumulating else 0)
+    walk.add("embedding_leaf", embedding_leaf if steady or accumulating else 0)
     walk.mark("start", "weights + optimizer states")
     # Under checkpointing nothing saves the low-precision copies autocast caches of trainable
     # weights, but the cache holds them until the forward's autocast region ends.
@@ -451,7 +451,7 @@ def walk_step(
             "logits_and_loss",
         )
     walk.add("logits_and_loss", saved.loss)
-    walk.alive["kv_cache"] = walk.alive["autocast_cache"] = walk.alive["previous_step"] = 0
+    walk.alive["kv_cache"] = walk.alive["autocast_cache"] = walk.alive["embedding_leaf"] = 0
     walk.mark("forward", "end of forward")
 
     if hf_loss:
@@ -488,7 +488,7 @@ def walk_step(
         keep_gradient(sizes.layer_grad)
     walk.alive["activations"] = 0
     walk.alive["transient"] = 0
-    walk.add("previous_step", embedding_leaf)
+    walk.add("embedding_leaf", embedding_leaf)
     if not setup.lora_rank:
         if spec.tie_word_embeddings:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
