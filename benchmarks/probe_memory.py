@@ -309,6 +309,8 @@ def main() -> None:
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.mode == "peak" and args.lora == "probe":
+        ap.error("peak: --lora takes a comma list of the linears to adapt, e.g. q_proj,v_proj")
     if args.mode == "saved":
         result = run_saved(args.device, args.kernels, lora=args.lora is not None)
     else:
