@@ -362,7 +362,7 @@ def attention_scores_backward_bytes(
     )
     if setup.attn != "eager" and not math_sdpa:
         return 0
-    if math_sdpa and setup.attn != "eager":
+    if setup.attn != "eager":  # the math path
         per_score = 3 * FP32
     else:
         per_score = 2 * FP32 if dtypes.proj == FP32 else dtypes.proj + 2 * FP32

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -138,6 +139,11 @@ def _requiring_grad(t: Any) -> Any:
     t = t.detach()
     t.requires_grad_(True)
     return t
+
+
+def is_real_number(value: object) -> bool:
+    """A real number (int, float, numpy scalar), not a bool, a string or a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_floating(op: str, *tensors: torch.Tensor) -> None:

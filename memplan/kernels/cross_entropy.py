@@ -15,7 +15,6 @@ non-ignored rows (at least 1, so an all-ignored batch gives 0, not nan) or by nu
 when given (gradient accumulation, as Hugging Face's ForCausalLMLoss). The loss is fp32."""
 
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,13 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from memplan.errors import UsageError
-from memplan.kernels._utils import cdiv, first_order_only, may_write_over, next_power_of_2
+from memplan.kernels._utils import (
+    cdiv,
+    first_order_only,
+    is_real_number,
+    may_write_over,
+    next_power_of_2,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 # Softcaps the fp32 kernels compute right: beyond, the cap or logits / cap leave fp32's normal
@@ -655,21 +660,22 @@ def check_loss_options(
     """Raise UsageError for options no loss accepts (shared with the fused linear version)."""
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise UsageError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not _is_real(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
+    if not is_real_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
         raise UsageError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
     # A cap of inf would compute inf * tanh(x / inf) = inf * 0 = nan: no cap is None.
-    if softcap is not None and not (_is_real(softcap) and SOFTCAP_MIN <= softcap <= SOFTCAP_MAX):
+    valid_cap = is_real_number(softcap) and SOFTCAP_MIN <= softcap <= SOFTCAP_MAX
+    if softcap is not None and not valid_cap:
         raise UsageError(
             f"softcap must be None (no cap) or a finite positive number in "
             f"[{SOFTCAP_MIN:g}, {SOFTCAP_MAX:g}], got {softcap!r}"
         )
-    if not _is_real(z_loss_scale) or not 0.0 <= z_loss_scale < math.inf:
+    if not is_real_number(z_loss_scale) or not 0.0 <= z_loss_scale < math.inf:
         raise UsageError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
     if num_items_in_batch is not None:
         if reduction != "mean":
             raise UsageError("num_items_in_batch applies to reduction='mean' only")
         if not isinstance(num_items_in_batch, Tensor) and not (
-            _is_real(num_items_in_batch) and 0.0 < num_items_in_batch < math.inf
+            is_real_number(num_items_in_batch) and 0.0 < num_items_in_batch < math.inf
         ):
             raise UsageError(
                 f"num_items_in_batch must be a finite positive number, got {num_items_in_batch!r}"
@@ -687,11 +693,6 @@ def check_loss_options(
         raise UsageError(f"ignore_index must be an integer, got {ignore_index!r}")
     if not -(2**63) <= ignore_index < 2**63:
         raise UsageError(f"ignore_index must fit in int64, got {ignore_index}")
-
-
-def _is_real(value: object) -> bool:
-    """A real number (int, float, numpy scalar), not a bool, a string or a tensor."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_target(op: str, target: Tensor) -> None:

@@ -12,7 +12,6 @@ accumulated in registers), then one torch sum over the partials."""
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +25,7 @@ from memplan.kernels._utils import (
     cdiv,
     check_floating,
     first_order_only,
+    is_real_number,
     norm_backward_config,
     norm_forward_config,
     on_device,
@@ -351,7 +351,7 @@ def layer_norm(
             f"LayerNorm weight/bias of shape {shapes} do not match hidden size {x.shape[-1]}."
         )
     check_floating("layer_norm", x, *params)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= eps < math.inf:
+    if not is_real_number(eps) or not 0.0 <= eps < math.inf:
         raise UsageError(f"layer_norm eps must be a finite number >= 0, got {eps!r}")
     # The kernels read weight and bias with unit stride; autograd sends their gradients back
     # through the copies.
