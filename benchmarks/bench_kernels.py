@@ -1,8 +1,8 @@
 """Elementwise kernels on one GPU: RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU.
 
 For each op and size: forward and forward+backward median time (triton.testing.do_bench), the
-forward+backward replayed from a CUDA graph (do_bench_cudagraph: the GPU's time without the
-host's per-call cost, which dominates at small sizes), GB/s and share of the device-to-device
+forward+backward replayed from a CUDA graph (the GPU's time without the host's per-call cost,
+which dominates at small sizes), GB/s and share of the device-to-device
 copy bandwidth measured in the same run, and the peak memory of one forward+backward above its
 inputs, for HF eager, torch.compile of the eager code, Liger-Kernel and memplan. Gradients are
 taken with torch.autograd.grad (no .grad accumulation), as inside a model where the inputs are
@@ -24,7 +24,9 @@ import argparse
 import contextlib
 import gc
 import math
+import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 from memplan.kernels import _glu as mp_glu
 from memplan.kernels import geglu as mp_geglu
@@ -46,7 +48,9 @@ from memplan.kernels._utils import NormBackwardConfig, norm_backward_config, num
 
 DTYPE = torch.bfloat16
 EL = 2  # bytes per bf16 element
-WARMUP_MS, REP_MS = 10, 40
+# Short do_bench calls in many interleaved rounds: the host's speed drifts within seconds, and
+# host-bound cells compare only what was timed close together (measure_rounds).
+WARMUP_MS, REP_MS = 5, 15
 
 SIZES = {
     # rows x hidden; the two anchors of shared/reference/anchors.md first
@@ -84,6 +88,7 @@ class Row:
     peak_mib: float
     max_rel_err: float = float("nan")
     graph_ms: float = float("nan")  # fwd+bwd replayed from a CUDA graph: GPU time, no host
+    fwd_graph_ms: float = float("nan")  # the forward alone, replayed likewise
     extra: dict = field(default_factory=dict)
 
 
@@ -92,6 +97,18 @@ class Row:
 
 def bench_ms(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def pin_to_one_core() -> str:
+    """Keep the process on one CPU core. On the benchmark host (a VM with 16 vCPUs), the host
+    time of a small forward+backward halved once pinned and its spread over rounds narrowed:
+    Liger's RoPE at 1x128 tokens 216-230 us against 414-579 us unpinned
+    (probe_host.py --ops, H200 host, 2026-11-22)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return "not pinned (no sched_setaffinity)"
+    core = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    return f"pinned to CPU core {core}"
 
 
 def copy_bandwidth_gbs() -> float:
@@ -118,29 +135,75 @@ def peak_mib(step: Callable[[], object]) -> float:
     return peak / 2**20
 
 
-def graph_ms(fn: Callable[[], object]) -> float:
+def graph_ms(fn: Callable[[], object], retries: int = 10) -> float:
     """Median time of `fn` replayed from a CUDA graph: the GPU's time alone, which the host's
     per-call cost (Python, autograd, launches) hides at small sizes; NaN if it cannot be
-    captured."""
+    captured. do_bench_cudagraph's method (calls unrolled in one graph for REP_MS, replayed
+    `retries` times), but captured on the current stream, where main() runs everything: the
+    inputs' autograd nodes were recorded on it, and the backward of a graph captured on any
+    other stream would make their stream wait on the capturing one, which invalidates the
+    capture (cudaErrorStreamCaptureImplicit on the legacy stream)."""
+    stream = torch.cuda.current_stream()
+    if stream == torch.cuda.default_stream():
+        raise RuntimeError("graph_ms needs a side stream: the legacy stream cannot capture")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     try:
-        return do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
+        fn()
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        n_repeat = max(1, int(REP_MS / max(start.elapsed_time(end) / 5, 1e-3)))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(n_repeat):
+                fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(retries):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / n_repeat)
+        del graph
+        return statistics.median(times)
     except Exception as exc:  # a capture failure only costs the column
         print(f"  no CUDA graph: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
         torch.cuda.synchronize()
         return float("nan")
 
 
-def measure(case: Case) -> tuple[float, float, float, float]:
+def measure_rounds(cases: dict[str, Case], rounds: int) -> dict[str, tuple[list, list]]:
+    """do_bench forward and forward+backward times of every implementation, `rounds` times,
+    each round taking the implementations in a rotated order: the host's speed drifts by up to
+    2x over minutes (bench_kernels.md), and host-bound sizes measure the host, so only times
+    taken side by side compare. Returns {impl: (forward ms per round, fwd+bwd ms per round)}."""
+    times: dict[str, tuple[list, list]] = {impl: ([], []) for impl in cases}
+    order = list(cases)
     gc.collect()
     gc.disable()  # a collection inside a timed loop shows up as host time at small sizes
     try:
-        fwd = bench_ms(case.run)
-        both = bench_ms(lambda: fwd_bwd(case))
-        peak = peak_mib(lambda: fwd_bwd(case))  # before the graph and its private memory pool
-        graphed = graph_ms(lambda: fwd_bwd(case))
+        for r in range(rounds):
+            shift = r % len(order)
+            for impl in order[shift:] + order[:shift]:
+                case = cases[impl]
+                times[impl][0].append(bench_ms(case.run))
+                times[impl][1].append(bench_ms(lambda case=case: fwd_bwd(case)))
     finally:
         gc.enable()
-    return fwd, both, peak, graphed
+    return times
+
+
+def peak_and_graphs(case: Case) -> tuple[float, float, float]:
+    """Peak MiB of one forward+backward, then its CUDA-graph time and the forward's."""
+    peak = peak_mib(lambda: fwd_bwd(case))  # before the graphs and their private memory pools
+    gc.disable()  # a collection during capture can run CUDA work that invalidates it
+    try:
+        return peak, graph_ms(lambda: fwd_bwd(case)), graph_ms(case.run)
+    finally:
+        gc.enable()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -322,22 +385,33 @@ CASES = {
 }
 
 
-def run_op(op: str, size: tuple[int, ...]) -> list[Row]:
+def run_op(op: str, size: tuple[int, ...], rounds: int) -> list[Row]:
     factories = CASES[op](*size)
     ref_outs = [o.detach() for o in factories["HF eager"]().run()]
     fwd_bytes, both_bytes = traffic(op, size)
-    rows = []
+    cases, errors = {}, {}
     for impl, factory in factories.items():
-        case = factory()
+        cases[impl] = factory()
         # checked before timing: in-place implementations overwrite their inputs
-        err = max(rel_err(o, r) for o, r in zip(case.run(), ref_outs))
-        fwd, both, peak, graphed = measure(case)
-        rows.append(Row(op, "x".join(map(str, size)), impl, fwd, both, fwd_bytes, both_bytes,
-                        peak, err, graphed))  # fmt: skip
-        del case
-        gc.collect()
-        torch.cuda.empty_cache()
+        errors[impl] = max(rel_err(o, r) for o, r in zip(cases[impl].run(), ref_outs))
+    times = measure_rounds(cases, rounds)
+    rows = []
+    for impl, case in cases.items():
+        peak, graphed, fwd_graphed = peak_and_graphs(case)
+        fwd, both = times[impl]
+        rows.append(Row(op, "x".join(map(str, size)), impl, statistics.median(fwd),
+                        statistics.median(both), fwd_bytes, both_bytes, peak, errors[impl],
+                        graphed, fwd_graphed, {"fwdbwd_rounds": both}))  # fmt: skip
+    del cases
+    gc.collect()
+    torch.cuda.empty_cache()
     return rows
+
+
+def paired_ratio(ours: Row, theirs: Row) -> float:
+    """Median over rounds of ours / theirs fwd+bwd, each pair timed in the same round."""
+    pairs = zip(ours.extra["fwdbwd_rounds"], theirs.extra["fwdbwd_rounds"])
+    return statistics.median(a / b for a, b in pairs)
 
 
 # --- launch-parameter sweep (--tune) ------------------------------------------------------------
@@ -510,12 +584,12 @@ def _tune_sum_partials(report: Callable) -> None:
             report(f"sum_partials {rows}x{hidden} ROWS,BLOCK={tile}", ms, rows * hidden * 4)
 
 
-def _host_overhead(report: Callable) -> None:
+def _host_overhead(report: Callable, rounds: int = 5) -> None:
     """fwd+bwd at a size too small to keep the GPU busy: the time is the host's per-call cost."""
     for op, size in (("rms_norm", (256, 1024)), ("swiglu", (256, 1024))):
-        for impl, factory in CASES[op](*size).items():
-            case = factory()
-            ms = bench_ms(lambda case=case: fwd_bwd(case))
+        cases = {impl: factory() for impl, factory in CASES[op](*size).items()}
+        for impl, (_, both) in measure_rounds(cases, rounds).items():
+            ms = statistics.median(both)
             report(f"host-bound {op} fwd+bwd {size[0]}x{size[1]} {impl}", ms, 0)
 
 
@@ -578,9 +652,15 @@ NOTES = """## How the goals are judged
   outputs are read by nothing else; for phi3, whose q and k are slices of one fused qkv
   projection, RoPE stays out of place), the norms as they are. The functional defaults
   allocate new tensors (q and k, d_gate and d_up) and are reported in the last column.
+- Timing: each size builds every implementation, then times them with do_bench in rounds,
+  the order rotated each round; the time vs Liger or torch.compile is the median over rounds of
+  the two times taken in the same round ("per round" gives their range). The host's speed
+  drifts between minutes by up to 2x, so times taken one implementation after another did not
+  compare at small sizes (session 10's tables: RMSNorm 16384x4096 read 1.76x Liger under
+  do_bench and 0.77x on the GPU).
 - Host-bound sizes: where the GPU work is shorter than the host's per-call cost (section above),
-  each implementation's do_bench time is its Python/autograd/launch overhead, not its kernel,
-  and ratios there move with the host. The CUDA-graph column gives the GPU time alone.
+  each implementation's do_bench time is its Python/autograd/launch overhead, not its kernel
+  ("do_bench / CUDA graph" well above 1). The CUDA-graph column gives the GPU time alone.
   memplan's eager path is an autograd.Function over the same launchers as its torch.library
   custom op, whose dispatch costs ~0.1 ms of host time per call; the custom op is used only
   under torch.compile and for fake/meta tensors.
@@ -595,14 +675,16 @@ NOTES = """## How the goals are judged
 def table(rows: list[Row], copy_gbs: float) -> list[str]:
     out = [
         "| size | impl | fwd ms | fwd GB/s (% copy) | fwd+bwd ms | fwd+bwd GB/s (% copy) "
-        "| fwd+bwd ms, CUDA graph | peak MiB | fwd rel err |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| fwd ms, CUDA graph (% copy) | fwd+bwd ms, CUDA graph | peak MiB | fwd rel err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fg, bg = r.fwd_bytes / r.fwd_ms / 1e6, r.fwdbwd_bytes / r.fwdbwd_ms / 1e6
+        gg = r.fwd_bytes / r.fwd_graph_ms / 1e6
         out.append(
             f"| {r.size} | {r.impl} | {r.fwd_ms:.3f} | {fg:.0f} ({100 * fg / copy_gbs:.0f}%) "
-            f"| {r.fwdbwd_ms:.3f} | {bg:.0f} ({100 * bg / copy_gbs:.0f}%) | {r.graph_ms:.3f} "
+            f"| {r.fwdbwd_ms:.3f} | {bg:.0f} ({100 * bg / copy_gbs:.0f}%) "
+            f"| {r.fwd_graph_ms:.3f} ({100 * gg / copy_gbs:.0f}%) | {r.graph_ms:.3f} "
             f"| {r.peak_mib:.1f} | {r.max_rel_err:.1e} |"
         )
     return out
@@ -619,10 +701,11 @@ def goals(rows: list[Row], copy_gbs: float) -> list[str]:
     """memplan as apply runs it, against Liger and torch.compile: fwd+bwd time, peak memory
     vs Liger, RMSNorm forward >= 80% of copy bandwidth at >= 64M elements."""
     out = [
-        "| op | size | judged | memplan/Liger fwd+bwd | memplan/compile fwd+bwd "
-        "| memplan/Liger peak | goals | GPU time alone (CUDA graph): memplan/Liger, "
-        "memplan/compile | functional default (new tensors): time vs Liger, peaks |",
-        "|---|---|---|---:|---:|---:|---|---|---|",
+        "| op | size | judged | memplan/Liger fwd+bwd | per round | memplan/compile fwd+bwd "
+        "| memplan/Liger peak | goals | do_bench / CUDA graph | GPU time alone (CUDA graph): "
+        "memplan/Liger, memplan/compile | functional default (new tensors): time vs Liger, "
+        "peaks |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---|---|",
     ]
     by_key: dict[tuple[str, str], dict[str, Row]] = {}
     for r in rows:
@@ -630,8 +713,9 @@ def goals(rows: list[Row], copy_gbs: float) -> list[str]:
     for (op, size), impls in by_key.items():
         judged = DEPLOYED.get(op, "memplan")
         ours, liger, comp = impls[judged], impls["Liger"], impls["torch.compile"]
-        t_liger = ours.fwdbwd_ms / liger.fwdbwd_ms
-        t_comp = ours.fwdbwd_ms / comp.fwdbwd_ms
+        t_liger, t_comp = paired_ratio(ours, liger), paired_ratio(ours, comp)
+        per_round = [a / b for a, b in zip(ours.extra["fwdbwd_rounds"],
+                                           liger.extra["fwdbwd_rounds"])]  # fmt: skip
         mem = peak_ratio(ours.peak_mib, liger.peak_mib)
         missed = []
         if t_liger > 1.0:
@@ -644,20 +728,23 @@ def goals(rows: list[Row], copy_gbs: float) -> list[str]:
             n_el = math.prod(int(v) for v in size.split("x"))
             fwd_share = ours.fwd_bytes / ours.fwd_ms / 1e6 / copy_gbs
             if n_el >= 64 * 2**20 and fwd_share < 0.8:
-                missed.append(f"fwd {100 * fwd_share:.0f}% < 80% of copy")
+                gpu_share = ours.fwd_bytes / ours.fwd_graph_ms / 1e6 / copy_gbs
+                missed.append(f"fwd {100 * fwd_share:.0f}% < 80% of copy (GPU time alone: "
+                              f"{100 * gpu_share:.0f}%)")  # fmt: skip
         verdict = "met" if not missed else "MISSED: " + ", ".join(missed)
         graphed = f"{ours.graph_ms / liger.graph_ms:.2f}, {ours.graph_ms / comp.graph_ms:.2f}"
         default = ""
         if judged != "memplan":
             plain = impls["memplan"]
             default = (
-                f"{plain.fwdbwd_ms / liger.fwdbwd_ms:.2f} (graph "
+                f"{paired_ratio(plain, liger):.2f} (graph "
                 f"{plain.graph_ms / liger.graph_ms:.2f}), "
                 f"{plain.peak_mib:.0f} MiB vs {liger.peak_mib:.0f} MiB"
             )
         out.append(
-            f"| {op} | {size} | {judged} | {t_liger:.2f} | {t_comp:.2f} | {mem:.2f} | {verdict} "
-            f"| {graphed} | {default} |"
+            f"| {op} | {size} | {judged} | {t_liger:.2f} | {min(per_round):.2f}-"
+            f"{max(per_round):.2f} | {t_comp:.2f} | {mem:.2f} | {verdict} "
+            f"| {ours.fwdbwd_ms / ours.graph_ms:.1f} | {graphed} | {default} |"
         )
     return out
 
@@ -667,12 +754,20 @@ def main() -> int:
     parser.add_argument("--ops", default=",".join(SIZES), help="comma-separated subset")
     parser.add_argument("--tune", action="store_true", help="launch-parameter sweep only")
     parser.add_argument("--quick", action="store_true", help="first two sizes of each op")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved do_bench rounds")
+    parser.add_argument("--no-pin", action="store_true", help="leave the process on all cores")
     parser.add_argument("--out", default="docs/bench_kernels.md")
     parser.add_argument("--profile", metavar="OP:SIZE", help="e.g. rope:4,4096,32,8,128")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("Error: this benchmark needs a CUDA GPU.", file=sys.stderr)
         return 1
+    args.pinned = "not pinned" if args.no_pin else pin_to_one_core()
+    with torch.cuda.stream(torch.cuda.Stream()):  # see graph_ms
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.profile:
         profile(args.profile)
         return 0
@@ -693,7 +788,8 @@ def main() -> int:
         "",
         f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, transformers "
         f"{transformers.__version__}, liger-kernel {_version('liger_kernel')}, python "
-        f"{platform.python_version()}; bf16; median of triton.testing.do_bench; "
+        f"{platform.python_version()}; bf16; median of triton.testing.do_bench over "
+        f"{args.rounds} interleaved rounds, {args.pinned}; "
         f"{time.strftime('%Y-%m-%d')}. Generated by benchmarks/bench_kernels.py.",
         "",
         f"Device-to-device copy bandwidth measured in this run: {copy_gbs:.0f} GB/s (bytes read "
@@ -712,7 +808,7 @@ def main() -> int:
         op_rows = []
         for size in SIZES[op][: 2 if args.quick else None]:
             t0 = time.perf_counter()
-            op_rows += run_op(op, size)
+            op_rows += run_op(op, size, args.rounds)
             print(f"[{op} {size}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
         section = [f"## {op}", "", *table(op_rows, copy_gbs), ""]
         print("\n".join(section), flush=True)

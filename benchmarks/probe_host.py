@@ -5,14 +5,23 @@ autograd, allocations and Triton's launch path. Compared with Liger-Kernel's RMS
 launch of the compiled kernel that skips Triton's argument binding. Cited in
 docs/bench_kernels.md.
 
-    python benchmarks/probe_host.py
+    python benchmarks/probe_host.py           # RMSNorm's host path, step by step
+    python benchmarks/probe_host.py --ops     # fwd+bwd per op and implementation, interleaved
+
+--ops times bench_kernels.py's own cases at sizes where the GPU work is a few us, in rounds that
+rotate the implementations (the host's speed drifts), and prints the median and range of the
+per-call host time: the cost every call pays before its kernels run.
 """
 
 from __future__ import annotations
 
+import statistics
+import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 from triton.runtime import driver
 
 from memplan.kernels import rms_norm as mp
@@ -123,5 +132,65 @@ def main() -> None:
         print(f"| {name} | {host_us(fn):.1f} |")
 
 
+TINY = {"rms_norm": (256, 1024), "layer_norm": (256, 1024), "rope": (1, 128, 32, 8, 128),
+        "swiglu": (256, 1024), "geglu": (256, 1024)}  # fmt: skip
+
+
+@triton.jit
+def _args_kernel(out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                 a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29):  # fmt: skip
+    tl.store(out_ptr, a0 + a29)
+
+
+@triton.jit
+def _one_arg_kernel(out_ptr, a0):
+    tl.store(out_ptr, a0)
+
+
+def launch_cost_per_argument() -> None:
+    """Host us per launch of one kernel, its 30 integer arguments passed as Python ints of
+    several sizes: what an extra stride argument costs."""
+    out = torch.empty(1, device="cuda", dtype=torch.int64)
+    values = [4096 * (i + 3) for i in range(30)]  # divisible by 16 and not 1, as strides are
+    _args_kernel[(1,)](out, *values)
+    zeros = [0] * 30
+    _one_arg_kernel[(1,)](out, values[0])
+    print("| launch | host us |")
+    print("|---|---:|")
+    one = host_us(lambda: _one_arg_kernel[(1,)](out, values[0]), calls=2000)
+    print(f"| 2 arguments | {one:.1f} |")
+    print(f"| 31 arguments | {host_us(lambda: _args_kernel[(1,)](out, *values), calls=2000):.1f} |")
+    print(f"| 31 arguments, other values | "
+          f"{host_us(lambda: _args_kernel[(1,)](out, *zeros), calls=2000):.1f} |")  # fmt: skip
+
+
+def per_op(rounds: int = 15) -> None:
+    import bench_kernels as bk
+
+    print("| op, size | implementation | host us per fwd+bwd, median | range over rounds |")
+    print("|---|---|---:|---:|")
+    for op, size in TINY.items():
+        cases = {impl: factory() for impl, factory in bk.CASES[op](*size).items()}
+        times: dict[str, list[float]] = {impl: [] for impl in cases}
+        order = list(cases)
+        for r in range(rounds):
+            shift = r % len(order)
+            for impl in order[shift:] + order[:shift]:
+                case = cases[impl]
+                times[impl].append(host_us(lambda case=case: bk.fwd_bwd(case), calls=200))
+        for impl, us in times.items():
+            print(f"| {op} {'x'.join(map(str, size))} | {impl} | {statistics.median(us):.1f} "
+                  f"| {min(us):.1f}-{max(us):.1f} |")  # fmt: skip
+
+
 if __name__ == "__main__":
-    main()
+    if "--ops" in sys.argv:
+        import bench_kernels
+
+        print(bench_kernels.pin_to_one_core())
+        with torch.cuda.stream(torch.cuda.Stream()):  # as bench_kernels.py runs its cases
+            per_op()
+    elif "--args" in sys.argv:
+        launch_cost_per_argument()
+    else:
+        main()

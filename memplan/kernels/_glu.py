@@ -124,7 +124,8 @@ class GluOp:
             dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         if dup is None:
             dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-        dg2, du2 = as_rows(dgate), as_rows(dup)
+        dg2 = g2 if dgate is gate else as_rows(dgate)
+        du2 = u2 if dup is up else as_rows(dup)
         n_rows, n_cols = g2.shape
         p2 = du2 if product is None else product.view(n_rows, n_cols)
         if dgate.numel() == 0:

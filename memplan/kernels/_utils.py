@@ -155,18 +155,18 @@ def check_floating(op: str, *tensors: torch.Tensor) -> None:
 
 
 def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the element spans of a and b in memory can intersect (same storage, crossing
-    byte ranges): an in-place write into one must then not be read through the other."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Whether the element spans of a and b in memory can intersect (crossing byte ranges): an
+    in-place write into one must then not be read through the other."""
+    if a.numel() == 0 or b.numel() == 0:
         return False
 
     def span(t: torch.Tensor) -> tuple[int, int]:
-        start = t.storage_offset()
+        start = t.data_ptr()  # addresses, not storages: asking for a storage costs host time
+        if t.is_contiguous():
+            return start, start + t.numel() * t.element_size()
         extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-        return start * t.element_size(), (start + extent + 1) * t.element_size()
+        return start, start + (extent + 1) * t.element_size()
 
-    if a.numel() == 0 or b.numel() == 0:
-        return False
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
 
@@ -179,11 +179,20 @@ def may_write_over(t: torch.Tensor) -> bool:
     return not (base.is_leaf and base.requires_grad)
 
 
+_CURRENT_DEVICE_ONLY = contextlib.nullcontext()
+
+
+@functools.cache
+def _cuda_devices() -> int:
+    return torch.cuda.device_count()
+
+
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Make t's CUDA device current for a launch: Triton launches on the current device."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
+    """Make t's CUDA device current for a launch: Triton launches on the current device. With
+    one visible GPU that is always t's, and asking costs host time on every launch."""
+    if t.is_cuda and _cuda_devices() > 1 and t.get_device() != torch.cuda.current_device():
         return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+    return _CURRENT_DEVICE_ONLY
 
 
 def use_custom_op(t: torch.Tensor) -> bool:
@@ -286,7 +295,10 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View x as (rows, last_dim) with unit column stride, for kernels that take a row stride.
     Copies only when no such view exists (a transposed last dim, non-collapsible leading dims).
     The row stride of the result may be anything, even 0 (an expanded tensor): read-only use."""
-    if x.dim() == 0:
+    dim = x.dim()
+    if dim == 2 and x.stride(1) == 1:  # the fast path: this runs on every launch
+        return x
+    if dim == 0:
         return x.view(1, 1)
     # The row count is explicit: view(-1, 0) cannot infer it for a last dim of 0.
     n_rows, n_cols = math.prod(x.shape[:-1]), x.shape[-1]

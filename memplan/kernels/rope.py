@@ -53,12 +53,13 @@ def reference_rope(
 
 
 @triton.jit
-def _head_tile(x_ptr, b, s, n_heads, sb, ss, sh, sd, HALF, BLOCK_H, BLOCK_D):
-    """Pointers to the first halves of one token's heads, and their mask."""
+def _head_tile(x_ptr, b, s, n_heads, sb, ss, sh, HALF, BLOCK_H, BLOCK_D):
+    """Pointers to the first halves of one token's heads (unit stride along head_dim), and
+    their mask."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     mask = (heads < n_heads)[:, None] & (dims < HALF)[None, :]
-    return x_ptr + b * sb + s * ss + heads[:, None] * sh + dims[None, :] * sd, mask
+    return x_ptr + b * sb + s * ss + heads[:, None] * sh + dims[None, :], mask
 
 
 @triton.jit
@@ -90,29 +91,23 @@ def _rope_kernel(
     first_batch,
     n_q_heads,
     n_k_heads,
-    # strides in (batch, seq, head, dim) order, whatever the tensors' dim order
+    # strides in (batch, seq, head) order, whatever the tensors' dim order; head_dim has unit
+    # stride in every tensor and sin shares cos's strides (each argument costs host time on
+    # every launch: ~0.27 us, benchmarks/probe_host.py --args)
     q_sb,
     q_ss,
     q_sh,
-    q_sd,
     k_sb,
     k_ss,
     k_sh,
-    k_sd,
     qo_sb,
     qo_ss,
     qo_sh,
-    qo_sd,
     ko_sb,
     ko_ss,
     ko_sh,
-    ko_sd,
     cos_sb,
     cos_ss,
-    cos_sd,
-    sin_sb,
-    sin_ss,
-    sin_sd,
     HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
@@ -126,36 +121,28 @@ def _rope_kernel(
     b = first_batch + tl.program_id(1).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < HALF
-    cos_row = cos_ptr + b * cos_sb + s * cos_ss + dims[None, :] * cos_sd
-    sin_row = sin_ptr + b * sin_sb + s * sin_ss + dims[None, :] * sin_sd
-    cos1, cos2 = _load_halves(cos_row, dmask[None, :], HALF * cos_sd)
-    sin1, sin2 = _load_halves(sin_row, dmask[None, :], HALF * sin_sd)
-    q_in, q_mask = _head_tile(
-        q_ptr, b, s, n_q_heads, q_sb, q_ss, q_sh, q_sd, HALF, BLOCK_QH, BLOCK_D
-    )
-    k_in, k_mask = _head_tile(
-        k_ptr, b, s, n_k_heads, k_sb, k_ss, k_sh, k_sd, HALF, BLOCK_KH, BLOCK_D
-    )
-    q1, q2 = _load_halves(q_in, q_mask, HALF * q_sd)
-    k1, k2 = _load_halves(k_in, k_mask, HALF * k_sd)
-    q_out, _ = _head_tile(
-        q_out_ptr, b, s, n_q_heads, qo_sb, qo_ss, qo_sh, qo_sd, HALF, BLOCK_QH, BLOCK_D
-    )
-    k_out, _ = _head_tile(
-        k_out_ptr, b, s, n_k_heads, ko_sb, ko_ss, ko_sh, ko_sd, HALF, BLOCK_KH, BLOCK_D
-    )
-    _rotate_and_store(q_out, q_mask, HALF * qo_sd, q1, q2, cos1, cos2, sin1, sin2, BACKWARD)
-    _rotate_and_store(k_out, k_mask, HALF * ko_sd, k1, k2, cos1, cos2, sin1, sin2, BACKWARD)
+    cs_offset = b * cos_sb + s * cos_ss + dims[None, :]
+    cos1, cos2 = _load_halves(cos_ptr + cs_offset, dmask[None, :], HALF)
+    sin1, sin2 = _load_halves(sin_ptr + cs_offset, dmask[None, :], HALF)
+    q_in, q_mask = _head_tile(q_ptr, b, s, n_q_heads, q_sb, q_ss, q_sh, HALF, BLOCK_QH, BLOCK_D)
+    k_in, k_mask = _head_tile(k_ptr, b, s, n_k_heads, k_sb, k_ss, k_sh, HALF, BLOCK_KH, BLOCK_D)
+    q1, q2 = _load_halves(q_in, q_mask, HALF)
+    k1, k2 = _load_halves(k_in, k_mask, HALF)
+    q_out, _ = _head_tile(q_out_ptr, b, s, n_q_heads, qo_sb, qo_ss, qo_sh, HALF, BLOCK_QH, BLOCK_D)
+    k_out, _ = _head_tile(k_out_ptr, b, s, n_k_heads, ko_sb, ko_ss, ko_sh, HALF, BLOCK_KH, BLOCK_D)
+    _rotate_and_store(q_out, q_mask, HALF, q1, q2, cos1, cos2, sin1, sin2, BACKWARD)
+    _rotate_and_store(k_out, k_mask, HALF, k1, k2, cos1, cos2, sin1, sin2, BACKWARD)
 
 
 # --- launcher -------------------------------------------------------------------------------
 
 
-def _bshd_strides(x: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int, int]:
-    """Strides of a q/k tensor in (batch, seq, head, dim) order."""
+def _bsh_strides(x: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
+    """Strides of a q/k tensor in (batch, seq, head) order (head_dim's is 1)."""
+    b, first, second, _ = x.stride()
     if unsqueeze_dim == 1:  # (B, heads, S, D)
-        return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
-    return x.stride(0), x.stride(1), x.stride(2), x.stride(3)  # (B, S, heads, D)
+        return b, second, first
+    return b, first, second  # (B, S, heads, D)
 
 
 def _check_shapes(
@@ -203,6 +190,10 @@ def _num_warps(block_qh: int, block_kh: int, block_d: int) -> int:
 MAX_GRID_Y = 65535
 
 
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _launch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -215,6 +206,12 @@ def _launch(
     batch, seq_len = q.shape[0], q.shape[3 - unsqueeze_dim]
     n_q_heads, n_k_heads = q.shape[unsqueeze_dim], k.shape[unsqueeze_dim]
     head_dim = q.shape[-1]
+    # The kernel takes head_dim at unit stride and one set of strides for cos and sin: copies
+    # only for tensors not laid out so (transformers' are; in-place callers check q and k).
+    if not in_place:
+        q, k = _unit_last_stride(q), _unit_last_stride(k)
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
     # (batch or 1, seq, D) -> (batch, seq, D) with stride 0 where broadcast: no copy.
     cos = cos.expand(batch, seq_len, head_dim)
     sin = sin.expand(batch, seq_len, head_dim)
@@ -224,12 +221,11 @@ def _launch(
     block_d = next_power_of_2(head_dim // 2)
     block_qh, block_kh = next_power_of_2(n_q_heads), next_power_of_2(n_k_heads)
     strides = (
-        *_bshd_strides(q, unsqueeze_dim),
-        *_bshd_strides(k, unsqueeze_dim),
-        *_bshd_strides(q_out, unsqueeze_dim),
-        *_bshd_strides(k_out, unsqueeze_dim),
-        *cos.stride(),
-        *sin.stride(),
+        *_bsh_strides(q, unsqueeze_dim),
+        *_bsh_strides(k, unsqueeze_dim),
+        *_bsh_strides(q_out, unsqueeze_dim),
+        *_bsh_strides(k_out, unsqueeze_dim),
+        *cos.stride()[:2],
     )
     constants = {
         "HALF": head_dim // 2,
@@ -288,19 +284,24 @@ def _backward(ctx, dq, dk):
         # sum's backward).
         in_place = (
             getattr(ctx, "in_place", False)
-            and _distinct_elements(dq, dk)
+            and _in_place_layout(dq, dk)
             and not memory_overlaps(dq, dk)
         )
         dq, dk = _launch(dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True, in_place=in_place)
     return dq, dk, None, None, None, None
 
 
-def _distinct_elements(*tensors: torch.Tensor) -> bool:
-    return all(
-        stride != 0 or size == 1
-        for t in tensors
-        for stride, size in zip(t.stride(), t.shape, strict=True)
-    )
+def _in_place_layout(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel can rotate these tensors in their own memory: head_dim at unit stride
+    and no element shared by several positions (an expanded tensor would be rotated once per
+    position, each rotation reading another's output)."""
+    for t in tensors:
+        strides = t.stride()
+        if strides[-1] != 1:
+            return False
+        if 0 in strides and any(s == 0 and n != 1 for s, n in zip(strides, t.shape, strict=True)):
+            return False
+    return True
 
 
 def _setup_context(ctx, inputs, output):
@@ -355,13 +356,11 @@ def rope(
 
     in_place: rotate q and k in their own memory, and their gradients in dq and dk's (the
     caller must not read the unrotated q, k afterwards; under torch.compile, and for expanded
-    q or k or leaves that require grad, the out-of-place op runs instead and the returned
-    tensors are new)."""
+    q or k, q or k whose head_dim is not at unit stride, or leaves that require grad, the
+    out-of-place op runs instead and the returned tensors are new)."""
     _check_shapes(q, k, cos, sin, unsqueeze_dim)
-    # Elements shared by several positions (an expanded q or k) would be rotated once per
-    # position, each rotation reading another's output; a leaf that requires grad (or a view of
-    # one) must keep its values: those are rotated out of place.
-    in_place = in_place and _distinct_elements(q, k) and may_write_over(q) and may_write_over(k)
+    # A leaf that requires grad (or a view of one) must keep its values: rotated out of place.
+    in_place = in_place and _in_place_layout(q, k) and may_write_over(q) and may_write_over(k)
     if use_custom_op(q):
         return torch.ops.memplan.rope(q, k, cos, sin, unsqueeze_dim)
     return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, in_place)

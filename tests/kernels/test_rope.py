@@ -103,6 +103,31 @@ def test_contiguous_inputs_and_unequal_cos_halves(device):
         assert rel(g, w) <= 1e-6
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_head_dim_off_unit_stride_and_cos_sin_of_other_layouts(device, in_place):
+    """The kernel reads head_dim at unit stride and sin with cos's strides: q and k whose
+    head_dim is strided, a gradient laid out the same way, and cos/sin of different layouts
+    are copied first (in place falls back to out of place for such q and k), never misread."""
+    torch.manual_seed(3)
+    # (B, D, S, H) memory seen as (B, H, S, D): head_dim has stride S * H
+    q_mem = torch.randn(2, 10, 7, 3, device=device).requires_grad_()
+    k_mem = torch.randn(2, 10, 7, 1, device=device).requires_grad_()
+    cos = torch.randn(2, 7, 10, device=device)
+    sin = torch.randn(2, 10, 7, device=device).transpose(1, 2)  # same values layout, other strides
+    q, k = (m.permute(0, 3, 2, 1) * 1 for m in (q_mem, k_mem))
+    assert q.stride(-1) != 1 and cos.stride() != sin.stride()
+    out = rope(q, k, cos, sin, in_place=in_place)
+    ref = reference_rope(q, k, cos, sin)
+    for o, r in zip(out, ref, strict=True):
+        assert rel(o, r) <= 1e-6
+    douts = tuple(torch.randn(*o.shape[:-1], o.shape[-1] * 2, device=device)[..., ::2]
+                  for o in out)  # fmt: skip
+    want = torch.autograd.grad(ref, (q_mem, k_mem), douts, retain_graph=True)
+    got = torch.autograd.grad(out, (q_mem, k_mem), douts)
+    for g, w in zip(got, want, strict=True):
+        assert rel(g, w) <= 1e-6
+
+
 def test_cos_sin_without_batch_dim(device):
     q = torch.randn(1, 2, 5, 8, device=device)
     k = torch.randn(1, 2, 5, 8, device=device)
