@@ -656,7 +656,7 @@ NOTES = """## How the goals are judged
   the order rotated each round; the time vs Liger or torch.compile is the median over rounds of
   the two times taken in the same round ("per round" gives their range). The host's speed
   drifts between minutes by up to 2x, so times taken one implementation after another did not
-  compare at small sizes (session 10's tables: RMSNorm 16384x4096 read 1.76x Liger under
+  compare at small sizes (session 6's tables: RMSNorm 16384x4096 read 1.76x Liger under
   do_bench and 0.77x on the GPU).
 - Host-bound sizes: where the GPU work is shorter than the host's per-call cost (section above),
   each implementation's do_bench time is its Python/autograd/launch overhead, not its kernel
