@@ -15,6 +15,7 @@ non-ignored rows (at least 1, so an all-ignored batch gives 0, not nan) or by nu
 when given (gradient accumulation, as Hugging Face's ForCausalLMLoss). The loss is fp32."""
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -656,8 +657,10 @@ def check_loss_options(
     z_loss_scale: float,
     reduction: str,
     num_items_in_batch: int | Tensor | None,
-) -> None:
-    """Raise UsageError for options no loss accepts (shared with the fused linear version)."""
+) -> tuple[int, float, float | None, float]:
+    """Raise UsageError for options no loss accepts (shared with the fused linear version);
+    return (ignore_index, label_smoothing, softcap, z_loss_scale) as Python int and floats
+    (numpy scalars are accepted, and reach the kernels as Python numbers)."""
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise UsageError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not is_real_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
@@ -689,10 +692,16 @@ def check_loss_options(
                 f"{num_items_in_batch.dtype} tensor of shape {tuple(num_items_in_batch.shape)}"
             )
     # bool is an int subclass: True would silently ignore class 1.
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise UsageError(f"ignore_index must be an integer, got {ignore_index!r}")
     if not -(2**63) <= ignore_index < 2**63:
         raise UsageError(f"ignore_index must fit in int64, got {ignore_index}")
+    return (
+        int(ignore_index),
+        float(label_smoothing),
+        None if softcap is None else float(softcap),
+        float(z_loss_scale),
+    )
 
 
 def check_target(op: str, target: Tensor) -> None:
@@ -731,7 +740,7 @@ def cross_entropy(
     again; autograd then saves nothing new; logits whose rows share elements, or a leaf that
     requires grad, get a new buffer instead). z-loss (z_loss_scale * lse^2 per token) is part of
     the loss; return_z_loss also returns it alone, detached, for logging."""
-    check_loss_options(
+    ignore_index, label_smoothing, softcap, z_loss_scale = check_loss_options(
         ignore_index, label_smoothing, softcap, z_loss_scale, reduction, num_items_in_batch
     )
     if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
@@ -775,7 +784,9 @@ class CrossEntropyLoss(nn.Module):
         return_z_loss: bool = False,
     ) -> None:
         super().__init__()
-        check_loss_options(ignore_index, label_smoothing, softcap, z_loss_scale, reduction, None)
+        ignore_index, label_smoothing, softcap, z_loss_scale = check_loss_options(
+            ignore_index, label_smoothing, softcap, z_loss_scale, reduction, None
+        )
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
         self.softcap = softcap

@@ -486,7 +486,7 @@ def fused_linear_cross_entropy(
     schedule), or by default 2^ceil(log2(N / ceil(V / H))). return_per_token_loss also returns
     the fp32 loss per token (detached for 'mean' and 'sum'). Under autocast the inputs are cast
     to the autocast dtype, as nn.Linear would."""
-    check_loss_options(
+    ignore_index, label_smoothing, softcap, z_loss_scale = check_loss_options(
         ignore_index, label_smoothing, softcap, z_loss_scale, reduction, num_items_in_batch
     )
     _check_int("chunk_size", chunk_size)
@@ -604,7 +604,9 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return_per_token_loss: bool = False,
     ) -> None:
         super().__init__()
-        check_loss_options(ignore_index, label_smoothing, softcap, z_loss_scale, reduction, None)
+        ignore_index, label_smoothing, softcap, z_loss_scale = check_loss_options(
+            ignore_index, label_smoothing, softcap, z_loss_scale, reduction, None
+        )
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
         self.softcap = softcap
