@@ -181,19 +181,23 @@ def measure_rounds(cases: dict[str, Case], rounds: int) -> dict[str, tuple[list,
     2x over minutes (bench_kernels.md), and host-bound sizes measure the host, so only times
     taken side by side compare. Returns {impl: (forward ms per round, fwd+bwd ms per round)}."""
     times: dict[str, tuple[list, list]] = {impl: ([], []) for impl in cases}
-    order = list(cases)
     gc.collect()
     gc.disable()  # a collection inside a timed loop shows up as host time at small sizes
     try:
-        for r in range(rounds):
-            shift = r % len(order)
-            for impl in order[shift:] + order[:shift]:
-                case = cases[impl]
-                times[impl][0].append(bench_ms(case.run))
-                times[impl][1].append(bench_ms(lambda case=case: fwd_bwd(case)))
+        for impl in rotations(list(cases), rounds):
+            case = cases[impl]
+            times[impl][0].append(bench_ms(case.run))
+            times[impl][1].append(bench_ms(lambda case=case: fwd_bwd(case)))
     finally:
         gc.enable()
     return times
+
+
+def rotations(names: list[str], rounds: int) -> Iterator[str]:
+    """Every name once per round, the order rotated by one each round."""
+    for r in range(rounds):
+        shift = r % len(names)
+        yield from names[shift:] + names[:shift]
 
 
 def peak_and_graphs(case: Case) -> tuple[float, float, float]:

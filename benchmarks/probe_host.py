@@ -7,6 +7,7 @@ docs/bench_kernels.md.
 
     python benchmarks/probe_host.py           # RMSNorm's host path, step by step
     python benchmarks/probe_host.py --ops     # fwd+bwd per op and implementation, interleaved
+    python benchmarks/probe_host.py --args    # a launch's cost per kernel argument
 
 --ops times bench_kernels.py's own cases at sizes where the GPU work is a few us, in rounds that
 rotate the implementations (the host's speed drifts), and prints the median and range of the
@@ -148,8 +149,8 @@ def _one_arg_kernel(out_ptr, a0):
 
 
 def launch_cost_per_argument() -> None:
-    """Host us per launch of one kernel, its 30 integer arguments passed as Python ints of
-    several sizes: what an extra stride argument costs."""
+    """Host us per launch of a kernel with 2 arguments and of one with 31 (30 integers, with
+    two sets of values): what an extra stride argument costs."""
     out = torch.empty(1, device="cuda", dtype=torch.int64)
     values = [4096 * (i + 3) for i in range(30)]  # divisible by 16 and not 1, as strides are
     _args_kernel[(1,)](out, *values)
@@ -172,12 +173,9 @@ def per_op(rounds: int = 15) -> None:
     for op, size in TINY.items():
         cases = {impl: factory() for impl, factory in bk.CASES[op](*size).items()}
         times: dict[str, list[float]] = {impl: [] for impl in cases}
-        order = list(cases)
-        for r in range(rounds):
-            shift = r % len(order)
-            for impl in order[shift:] + order[:shift]:
-                case = cases[impl]
-                times[impl].append(host_us(lambda case=case: bk.fwd_bwd(case), calls=200))
+        for impl in bk.rotations(list(cases), rounds):
+            case = cases[impl]
+            times[impl].append(host_us(lambda case=case: bk.fwd_bwd(case), calls=200))
         for impl, us in times.items():
             print(f"| {op} {'x'.join(map(str, size))} | {impl} | {statistics.median(us):.1f} "
                   f"| {min(us):.1f}-{max(us):.1f} |")  # fmt: skip
