@@ -4,6 +4,8 @@ inputs of the in-place backwards, integer tensors, meta tensors."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -186,20 +188,26 @@ def test_loss_num_items_in_batch_must_be_finite_positive(entry, count):
 
 
 @pytest.mark.parametrize("entry", ["cross_entropy", "fused_linear_cross_entropy"])
-def test_loss_options_as_numpy_scalars_match_python_numbers(entry):
+def test_loss_options_as_numpy_scalars_match_python_numbers(device, entry):
     """numpy scalars (a config read with numpy, np.int64 from an array) give the Python
     numbers' loss; ignore_index=np.int64(-100) was refused as not an integer."""
     python = dict(ignore_index=2, label_smoothing=0.1, softcap=30.0, z_loss_scale=1e-4)
     numpy = dict(ignore_index=np.int64(2), label_smoothing=np.float64(0.1),
                  softcap=np.float32(30.0), z_loss_scale=np.float32(1e-4))  # fmt: skip
     torch.manual_seed(0)
-    want = LOSS_ENTRY_POINTS[entry](**python)
-    torch.manual_seed(0)
-    got = LOSS_ENTRY_POINTS[entry](**numpy)
-    assert torch.allclose(got, want, rtol=1e-6)
-    module = {"cross_entropy": CrossEntropyLoss, "fused_linear_cross_entropy":
-              FusedLinearCrossEntropyLoss}[entry](**numpy)  # fmt: skip
-    assert type(module.ignore_index) is int and type(module.softcap) is float
+    hidden, weight = torch.randn(3, 4, device=device), torch.randn(5, 4, device=device)
+    target = torch.tensor([0, 4, 2], device=device)
+    if entry == "cross_entropy":
+        loss, module = (
+            functools.partial(cross_entropy, hidden @ weight.t(), target),
+            CrossEntropyLoss,
+        )
+    else:
+        loss = functools.partial(fused_linear_cross_entropy, hidden, weight, target)
+        module = FusedLinearCrossEntropyLoss
+    assert torch.allclose(loss(**numpy), loss(**python), rtol=1e-6)
+    options = module(**numpy)
+    assert type(options.ignore_index) is int and type(options.softcap) is float
 
 
 def test_loss_ignore_index_as_an_integer_and_softcap_none_still_work(device):
