@@ -412,10 +412,13 @@ def run_op(op: str, size: tuple[int, ...], rounds: int) -> list[Row]:
     return rows
 
 
+def round_ratios(ours: Row, theirs: Row) -> list[float]:
+    """ours / theirs fwd+bwd per round, each pair timed in the same round."""
+    return [a / b for a, b in zip(ours.extra["fwdbwd_rounds"], theirs.extra["fwdbwd_rounds"])]
+
+
 def paired_ratio(ours: Row, theirs: Row) -> float:
-    """Median over rounds of ours / theirs fwd+bwd, each pair timed in the same round."""
-    pairs = zip(ours.extra["fwdbwd_rounds"], theirs.extra["fwdbwd_rounds"])
-    return statistics.median(a / b for a, b in pairs)
+    return statistics.median(round_ratios(ours, theirs))
 
 
 # --- launch-parameter sweep (--tune) ------------------------------------------------------------
@@ -718,8 +721,7 @@ def goals(rows: list[Row], copy_gbs: float) -> list[str]:
         judged = DEPLOYED.get(op, "memplan")
         ours, liger, comp = impls[judged], impls["Liger"], impls["torch.compile"]
         t_liger, t_comp = paired_ratio(ours, liger), paired_ratio(ours, comp)
-        per_round = [a / b for a, b in zip(ours.extra["fwdbwd_rounds"],
-                                           liger.extra["fwdbwd_rounds"])]  # fmt: skip
+        per_round = round_ratios(ours, liger)
         mem = peak_ratio(ours.peak_mib, liger.peak_mib)
         missed = []
         if t_liger > 1.0:
