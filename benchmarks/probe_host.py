@@ -7,11 +7,13 @@ docs/bench_kernels.md.
 
     python benchmarks/probe_host.py           # RMSNorm's host path, step by step
     python benchmarks/probe_host.py --ops     # fwd+bwd per op and implementation, interleaved
-    python benchmarks/probe_host.py --args    # a launch's cost per kernel argument
+    python benchmarks/probe_host.py --args    # a launch's cost per kernel argument, and with
+                                              # memplan's fast_launch (memplan.kernels._launch)
 
 --ops times bench_kernels.py's own cases at sizes where the GPU work is a few us, in rounds that
 rotate the implementations (the host's speed drifts), and prints the median and range of the
-per-call host time: the cost every call pays before its kernels run.
+per-call host time: the cost every call pays before its kernels run. memplan as applied is timed
+twice: with its fast launch, and with every launch through Triton's own path.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
+from memplan.kernels import _launch
 from memplan.kernels import rms_norm as mp
+from memplan.kernels._launch import FastKernel
 from memplan.kernels._utils import cdiv, norm_forward_config, on_device
 
 ROWS, HIDDEN, EPS = 256, 1024, 1e-6
@@ -163,6 +167,13 @@ def launch_cost_per_argument() -> None:
     print(f"| 31 arguments | {host_us(lambda: _args_kernel[(1,)](out, *values), calls=2000):.1f} |")
     print(f"| 31 arguments, other values | "
           f"{host_us(lambda: _args_kernel[(1,)](out, *zeros), calls=2000):.1f} |")  # fmt: skip
+    one_fast, args_fast = FastKernel(_one_arg_kernel), FastKernel(_args_kernel)
+    one_fast[(1,)](out, values[0])
+    args_fast[(1,)](out, *values)
+    print(f"| 2 arguments, memplan's fast_launch | "
+          f"{host_us(lambda: one_fast[(1,)](out, values[0]), calls=2000):.1f} |")  # fmt: skip
+    print(f"| 31 arguments, memplan's fast_launch | "
+          f"{host_us(lambda: args_fast[(1,)](out, *values), calls=2000):.1f} |")  # fmt: skip
 
 
 def per_op(rounds: int = 15) -> None:
@@ -172,10 +183,15 @@ def per_op(rounds: int = 15) -> None:
     print("|---|---|---:|---:|")
     for op, size in TINY.items():
         cases = {impl: factory() for impl, factory in bk.CASES[op](*size).items()}
+        # memplan as applied, launched through Triton's own path (memplan.kernels._launch)
+        deployed = bk.DEPLOYED.get(op, "memplan")
+        cases[f"{deployed}, Triton launch"] = bk.CASES[op](*size)[deployed]()
         times: dict[str, list[float]] = {impl: [] for impl in cases}
         for impl in bk.rotations(list(cases), rounds):
             case = cases[impl]
+            _launch.ENABLED = not impl.endswith("Triton launch")
             times[impl].append(host_us(lambda case=case: bk.fwd_bwd(case), calls=200))
+            _launch.ENABLED = True
         for impl, us in times.items():
             print(f"| {op} {'x'.join(map(str, size))} | {impl} | {statistics.median(us):.1f} "
                   f"| {min(us):.1f}-{max(us):.1f} |")  # fmt: skip

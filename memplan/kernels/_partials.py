@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from memplan.kernels._launch import fast_launch
 from memplan.kernels._utils import cdiv, next_power_of_2, num_sms, on_device
 
 
@@ -40,6 +41,7 @@ def store_partial(partial_ptr, pid, n_cols, cols, value, mask, PAIRED: tl.conste
         tl.store(partial_ptr + pid * n_cols + cols, value, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _sum_partials_kernel(
     partial_ptr, out_ptr, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from memplan.errors import UsageError
+from memplan.kernels._launch import fast_launch
 from memplan.kernels._utils import (
     cdiv,
     first_order_only,
@@ -119,6 +120,7 @@ def _zero_row(row_ptr, n_cols, BLOCK: tl.constexpr):
         tl.store(row_ptr + off + cols, zeros, mask=off + cols < n_cols)
 
 
+@fast_launch
 @triton.jit
 def _cross_entropy_fwd_kernel(
     logits_ptr,
@@ -235,6 +237,7 @@ def _cross_entropy_fwd_kernel(
                 tl.store(grad_row + off + cols, g, mask=mask, eviction_policy="evict_first")
 
 
+@fast_launch
 @triton.jit
 def _cross_entropy_grad_from_lse_kernel(
     logits_ptr,
@@ -286,6 +289,7 @@ def _cross_entropy_grad_from_lse_kernel(
         tl.store(logits_row + off + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _scale_rows_kernel(
     x_ptr, row_stride, n_cols, scale_ptr, ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr

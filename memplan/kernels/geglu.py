@@ -24,6 +24,7 @@ import triton.language as tl
 
 from memplan.errors import UsageError
 from memplan.kernels._glu import GatedMLP, GluOp, load_tile, store_tile, tile_of
+from memplan.kernels._launch import fast_launch
 
 APPROXIMATIONS = ("tanh", "none")
 
@@ -51,6 +52,7 @@ def _gelu_and_slope(g, EXACT: tl.constexpr):
         return g * s, s + g * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * g * g)
 
 
+@fast_launch
 @triton.jit
 def _geglu_forward_kernel(
     gate_ptr,
@@ -75,6 +77,7 @@ def _geglu_forward_kernel(
     store_tile(out_ptr, out_row_stride, rows, cols, out, mask)
 
 
+@fast_launch
 @triton.jit
 def _geglu_backward_kernel(
     dout_ptr,

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
+from memplan.kernels._launch import fast_launch
 from memplan.kernels._partials import new_partials, partial_layout, store_partial, sum_partials
 from memplan.kernels._utils import (
     as_rows,
@@ -45,6 +46,7 @@ def reference_layer_norm(
 # --- Triton kernels -------------------------------------------------------------------------
 
 
+@fast_launch
 @triton.jit
 def _layer_norm_forward_kernel(
     x_ptr,
@@ -90,6 +92,7 @@ def _layer_norm_forward_kernel(
     )
 
 
+@fast_launch
 @triton.jit
 def _layer_norm_backward_kernel(
     dy_ptr,

@@ -22,6 +22,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from memplan.errors import UsageError
+from memplan.kernels._launch import fast_launch
 from memplan.kernels._utils import (
     check_floating,
     may_write_over,
@@ -80,6 +81,7 @@ def _rotate_and_store(ptrs, mask, half_stride, x1, x2, cos1, cos2, sin1, sin2, B
     tl.store(ptrs + half_stride, out2.to(ptrs.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _rope_kernel(
     q_ptr,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from memplan.kernels._glu import GatedMLP, GluOp, load_tile, store_tile, tile_of
+from memplan.kernels._launch import fast_launch
 
 
 def reference_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -25,6 +26,7 @@ def reference_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # --- Triton kernels -------------------------------------------------------------------------
 
 
+@fast_launch
 @triton.jit
 def _swiglu_forward_kernel(
     gate_ptr,
@@ -47,6 +49,7 @@ def _swiglu_forward_kernel(
     store_tile(out_ptr, out_row_stride, rows, cols, out, mask)
 
 
+@fast_launch
 @triton.jit
 def _swiglu_backward_kernel(
     dout_ptr,

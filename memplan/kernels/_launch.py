@@ -1,0 +1,149 @@
+"""Kernel launches with less host time: `fast_launch` wraps a @triton.jit kernel so that a call
+whose specialization was seen before launches the compiled kernel directly.
+
+Triton's `kernel[grid](*args)` binds and specializes every argument on each call, builds a cache
+key and looks the compiled kernel up. On the H200 benchmark host a launch took 12.3 us with 2
+arguments and 20.3 us with 31 that way, and 8.1 and 18.3 us through this wrapper, whose own key
+costs a little per argument (benchmarks/probe_host.py --args, session 12).
+
+The wrapper keys its own cache by exactly what Triton specializes a call on, for the argument types
+memplan's kernels take (triton/backends/compiler.py, runtime/jit.py, versions 3.6 and 3.9):
+- a tensor: its dtype, and whether its address is a multiple of 16 ("D");
+- an int: whether it is 1 (then a constexpr), a multiple of 16 ("D"), and its type (i32, i64 or
+  u64 by range);
+- a float: nothing (fp32);
+- the keyword arguments (constexprs and launch options such as num_warps) by value, and the
+  current device.
+Anything else (bools or other objects as runtime arguments, a kernel signature with a runtime
+argument after a constexpr), a launch hook (profilers set one), Triton's interpreter, or a Triton
+version outside the checked range take Triton's own path on every call. So does the first call of
+each key, which compiles if needed and launches; later calls reuse the compiled kernel it used.
+Launches return nothing."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import triton
+
+try:
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+except ImportError:  # Triton before 3.4: no knobs module, and no fast path
+    knobs = JITFunction = None
+
+# Triton versions whose launch path the key mirrors: the compiled kernel's launcher takes every
+# argument in signature order, constexprs included, and specializes as described above. 3.6 was
+# checked on the GPU (tests/kernels/test_fast_launch.py), 3.9 by reading its source.
+CHECKED_VERSIONS = ((3, 6), (3, 9))
+
+# False: every call through Triton's own launch (for side-by-side host timings,
+# benchmarks/probe_host.py).
+ENABLED = True
+
+_I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
+
+
+class UnsupportedArgument(TypeError):
+    """An argument the key does not cover: the call goes through Triton's own path."""
+
+
+def version_checked(version: str = triton.__version__) -> bool:
+    major_minor = tuple(int(part) for part in version.split(".")[:2])
+    return CHECKED_VERSIONS[0] <= major_minor <= CHECKED_VERSIONS[1]
+
+
+def argument_key(arg: Any) -> tuple:
+    """What Triton's specialization of one runtime argument depends on. Runs for every argument
+    of every launch: integers (strides, sizes) are the most common and are checked first."""
+    kind = type(arg)
+    if kind is int:
+        width = 0 if _I32_MIN <= arg <= _I32_MAX else 1 if arg < _U64_MIN else 2
+        return (arg == 1, arg % 16 == 0, width)
+    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if kind is float:
+        return (float,)
+    raise UnsupportedArgument(kind.__name__)
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook is set: None or a callable (3.6), an empty or non-empty HookChain
+    (3.9)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
+
+
+@functools.cache
+def _device_count() -> int:
+    return torch.cuda.device_count()
+
+
+class FastKernel:
+    """A @triton.jit kernel, launched as `kernel[grid](*runtime_args, **constexprs_and_options)`;
+    every other attribute is the kernel's own."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._compiled: dict[tuple, tuple[Any, tuple]] = {}
+        self._enabled = (
+            JITFunction is not None and isinstance(kernel, JITFunction) and version_checked()
+        )
+        if self._enabled:
+            params = kernel.params
+            n_runtime = sum(not p.is_constexpr for p in params)
+            # runtime arguments first, then constexprs: the positional arguments are then exactly
+            # the runtime ones, and the constexprs follow them in signature order
+            self._enabled = all(not p.is_constexpr for p in params[:n_runtime])
+            self._n_runtime = n_runtime
+            self._constexprs = tuple(
+                (p.name, p.default) for p in params[n_runtime:] if p.is_constexpr
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        if not (self._enabled and ENABLED) or type(grid) is not tuple:
+            return self.kernel[grid]
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        try:
+            if len(args) != self._n_runtime or _launch_hooks_set():
+                raise UnsupportedArgument("arguments or launch hook")
+            device = torch.cuda.current_device() if _device_count() > 1 else 0
+            key = (device, *kwargs.items(), *[argument_key(arg) for arg in args])
+        except UnsupportedArgument:
+            self.kernel[grid](*args, **kwargs)
+            return
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)  # compiles if new, and launches
+            constexprs = tuple(
+                kwargs[name] if name in kwargs else default for name, default in self._constexprs
+            )
+            if compiled is not None and inspect.Parameter.empty not in constexprs:
+                # the launcher, once launched: the compiled kernel's handles are loaded
+                self._compiled[key] = (
+                    compiled.run,
+                    compiled.function,
+                    compiled.packed_metadata,
+                    constexprs,
+                )
+            return
+        launcher, function, metadata, constexprs = entry
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        # no launch metadata and no hooks: a hook set sends calls through Triton (above)
+        launcher(grid[0], grid_y, grid_z, stream, function, metadata, None, None, None, *args,
+                 *constexprs)  # fmt: skip
+
+
+def fast_launch(kernel: Any) -> FastKernel:
+    """Decorator, above @triton.jit."""
+    return FastKernel(kernel)
