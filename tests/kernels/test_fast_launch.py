@@ -158,3 +158,21 @@ def test_direct_launches_match_triton_across_alignments():
         assert torch.equal(got, want), offset
     # both alignments were keyed: at least two compiled entries, each reused
     assert len(S._swiglu_forward_kernel._compiled) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_direct_launches_per_device():
+    """Compiled kernels are loaded per device: the key holds the current device, so a call on
+    the second GPU never launches the first GPU's kernel."""
+    torch.manual_seed(0)
+    for step in range(4):
+        device = f"cuda:{step % 2}"
+        gate = torch.randn(3, 4096, device=device, dtype=torch.bfloat16)
+        up = torch.randn_like(gate)
+        got = S.swiglu_forward(gate, up)
+        assert got.device == gate.device
+        want = S.reference_swiglu(gate.float(), up.float()).to(torch.bfloat16)
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    devices = {key[0] for key in S._swiglu_forward_kernel._compiled}
+    assert devices >= {0, 1}
