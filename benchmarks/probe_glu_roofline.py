@@ -3,8 +3,6 @@
 (CUDA graph, median, us) of the forward and the in-place backward for:
 
 - memplan's committed kernels (ROWS x BLOCK tiles numbered along memory, one per program);
-- torch.compile's kernels for the same two functions (the forward, and the backward as
-  inductor builds it from the saved gate and up; outputs newly allocated);
 - flat variants over contiguous memory: BLOCK elements per tile, one tile per program or a
   persistent grid of P programs per SM striding over the tiles, with or without cache hints
   (loads evict_first, stores ".cs": data touched once need not stay in L2).
@@ -19,7 +17,6 @@ import argparse
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.testing import do_bench_cudagraph
@@ -87,22 +84,6 @@ def flat_backward(do_ptr, g_ptr, u_ptr, n, BLOCK: tl.constexpr, GELU: tl.constex
         _store(u_ptr, offs, do * act, mask, HINTS)
 
 
-def compiled_pair(op: str):
-    def forward(g, u):
-        act = F.silu(g) if op == "swiglu" else F.gelu(g, approximate="tanh")
-        return act * u
-
-    def backward(do, g, u):
-        g32, u32, do32 = g.float(), u.float(), do.float()
-        with torch.enable_grad():
-            g32.requires_grad_()
-            act = F.silu(g32) if op == "swiglu" else F.gelu(g32, approximate="tanh")
-        (slope,) = torch.autograd.grad(act, g32, torch.ones_like(act))
-        return (do32 * u32 * slope).to(g.dtype), (do32 * act.detach()).to(g.dtype)
-
-    return torch.compile(forward, dynamic=False), torch.compile(backward, dynamic=False)
-
-
 def us(fn) -> float:
     return 1e3 * do_bench_cudagraph(fn, rep=100, return_mode="median")
 
@@ -126,8 +107,6 @@ def probe(op: str, rows: int, cols: int) -> list[tuple[str, float, float]]:
         )
 
     results = [committed()]
-    c_fwd, c_bwd = compiled_pair(op)
-    results.append(("torch.compile", us(partial(c_fwd, g0, u0)), us(partial(c_bwd, do, g0, u0))))
     for block, warps in ((2048, 8), (2048, 4), (4096, 8), (1024, 4)):
         for per_sm in (None, 4, 8):
             for hints in (False, True):

@@ -22,12 +22,13 @@ Launches return nothing."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
 import torch
 import triton
+
+from memplan.kernels._utils import _cuda_devices
 
 try:
     from triton import knobs
@@ -77,11 +78,6 @@ def _launch_hooks_set() -> bool:
     return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
-@functools.cache
-def _device_count() -> int:
-    return torch.cuda.device_count()
-
-
 class FastKernel:
     """A @triton.jit kernel, launched as `kernel[grid](*runtime_args, **constexprs_and_options)`;
     every other attribute is the kernel's own."""
@@ -99,9 +95,7 @@ class FastKernel:
             # the runtime ones, and the constexprs follow them in signature order
             self._enabled = all(not p.is_constexpr for p in params[:n_runtime])
             self._n_runtime = n_runtime
-            self._constexprs = tuple(
-                (p.name, p.default) for p in params[n_runtime:] if p.is_constexpr
-            )
+            self._constexprs = tuple((p.name, p.default) for p in params[n_runtime:])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.kernel, name)
@@ -115,7 +109,7 @@ class FastKernel:
         try:
             if len(args) != self._n_runtime or _launch_hooks_set():
                 raise UnsupportedArgument("arguments or launch hook")
-            device = torch.cuda.current_device() if _device_count() > 1 else 0
+            device = torch.cuda.current_device() if _cuda_devices() > 1 else 0
             key = (device, *kwargs.items(), *[argument_key(arg) for arg in args])
         except UnsupportedArgument:
             self.kernel[grid](*args, **kwargs)

@@ -69,7 +69,7 @@ def fake_kernel(monkeypatch):
         return _FakeCompiled(direct)
 
     monkeypatch.setattr(kernel, "run", run)
-    monkeypatch.setattr(_launch, "_device_count", lambda: 1)
+    monkeypatch.setattr(_launch, "_cuda_devices", lambda: 1)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
     monkeypatch.setattr(_launch, "version_checked", lambda: True)
     return FastKernel(kernel), triton_calls, direct
