@@ -15,10 +15,10 @@ memplan's kernels take (triton/backends/compiler.py, runtime/jit.py, versions 3.
 - the keyword arguments (constexprs and launch options such as num_warps) by value, and the
   current device.
 Anything else (bools or other objects as runtime arguments, a kernel signature with a runtime
-argument after a constexpr), a launch hook (profilers set one), Triton's interpreter, or a Triton
-version outside the checked range take Triton's own path on every call. So does the first call of
-each key, which compiles if needed and launches; later calls reuse the compiled kernel it used.
-Launches return nothing."""
+argument after a constexpr), a launch hook (profilers set one), Triton's interpreter, ROCm, or a
+Triton version outside the checked range take Triton's own path on every call. So does the first
+call of each key, which compiles if needed and launches; later calls reuse the compiled kernel it
+used. Launches return nothing."""
 
 from __future__ import annotations
 
@@ -85,8 +85,13 @@ class FastKernel:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple, tuple[Any, tuple]] = {}
+        # NVIDIA's backend only: AMD's also specializes a tensor on whether its storage is under
+        # 2 GB (buffer ops), which the key does not hold.
         self._enabled = (
-            JITFunction is not None and isinstance(kernel, JITFunction) and version_checked()
+            JITFunction is not None
+            and isinstance(kernel, JITFunction)
+            and version_checked()
+            and torch.version.hip is None
         )
         if self._enabled:
             params = kernel.params

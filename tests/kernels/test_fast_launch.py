@@ -28,10 +28,22 @@ def _args_for_keys() -> list[object]:
     return [*tensors, *ints, 0.0, 1.0, 2.5]
 
 
+def _backend():
+    """The backend Triton specializes with: the GPU's where there is one (its class may override
+    the base rules), else the base class, whose rules NVIDIA's backend inherits."""
+    if not torch.cuda.is_available():
+        return BaseBackend
+    from triton.compiler.compiler import make_backend
+    from triton.runtime import driver
+
+    return make_backend(driver.active.get_current_target())
+
+
 @pytest.mark.skipif(native_specialize_impl is None, reason="Triton without native specialization")
 def test_equal_keys_mean_equal_triton_specialization():
     args = _args_for_keys()
-    specs = [native_specialize_impl(BaseBackend, a, False, True, True) for a in args]
+    backend = _backend()
+    specs = [native_specialize_impl(backend, a, False, True, True) for a in args]
     keys = [argument_key(a) for a in args]
     for i, a in enumerate(args):
         for j, b in enumerate(args):
@@ -135,6 +147,14 @@ def test_interpreter_and_unchecked_versions_use_triton_as_is(monkeypatch):
     assert not FastKernel(kernel)._enabled
     assert not FastKernel(_kernel_source)._enabled  # not a JITFunction (the interpreter's)
     assert FastKernel(kernel).arg_names == kernel.arg_names  # attributes pass through
+
+
+def test_rocm_uses_triton_as_is(monkeypatch):
+    """AMD's backend also specializes tensors on their storage size, which the key lacks."""
+    monkeypatch.setattr(_launch, "version_checked", lambda: True)
+    assert FastKernel(JITFunction(_kernel_source))._enabled
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert not FastKernel(JITFunction(_kernel_source))._enabled
 
 
 @pytest.mark.gpu
