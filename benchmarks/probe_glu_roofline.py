@@ -59,11 +59,17 @@ def _store(ptr, offs, value, mask, HINTS: tl.constexpr):
 
 
 @triton.jit
+def _tile(tile, n, BLOCK: tl.constexpr):
+    """Offsets and mask of flat tile `tile` (int32: the probe's sizes are < 2**31)."""
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    return offs, offs < n
+
+
+@triton.jit
 def flat_forward(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr, GELU: tl.constexpr,
                  HINTS: tl.constexpr):  # fmt: skip
     for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
-        offs = tile * BLOCK + tl.arange(0, BLOCK)  # int32: the probe's sizes are < 2**31
-        mask = offs < n
+        offs, mask = _tile(tile, n, BLOCK)
         g = _load(g_ptr, offs, mask, HINTS)
         u = _load(u_ptr, offs, mask, HINTS)
         act, _ = _act(g, GELU)
@@ -74,8 +80,7 @@ def flat_forward(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr, GELU: tl.constexpr
 def flat_backward(do_ptr, g_ptr, u_ptr, n, BLOCK: tl.constexpr, GELU: tl.constexpr,
                   HINTS: tl.constexpr):  # fmt: skip
     for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
-        offs = tile * BLOCK + tl.arange(0, BLOCK)  # int32: the probe's sizes are < 2**31
-        mask = offs < n
+        offs, mask = _tile(tile, n, BLOCK)
         do = _load(do_ptr, offs, mask, HINTS)
         g = _load(g_ptr, offs, mask, HINTS)
         u = _load(u_ptr, offs, mask, HINTS)
