@@ -76,7 +76,9 @@ def bwd_scalar_base(
         store_partial(dw_partial_ptr, pid, n_cols, cols, tl.sum(dw_acc, axis=0), col_mask, PAIRED)
 
 
-def launch(kernel, dy, x, w, rstd, dx, **constexprs):
+def launch(kernel, dy, x, w, rstd, dx, extra=(), **constexprs):
+    """extra: runtime arguments after the common ones (memplan's kernel takes the pointers and
+    strides of its optional extra gradients; unused at N_DY=1 without ADD_RESIDUAL_GRAD)."""
     n_rows, n_cols = x.shape
     block_n, rows, warps, n_programs, rpp, _ = norm_backward_config(
         n_rows, n_cols, x.device, "rms_norm"
@@ -96,6 +98,7 @@ def launch(kernel, dy, x, w, rstd, dx, **constexprs):
         n_cols,
         rpp,
         0.0,
+        *extra,
         GEMMA=False,
         COMPUTE_DW=True,
         PAIRED=partial_layout(n_programs, x.device)[1],
@@ -117,7 +120,15 @@ def main() -> None:
         _, rstd = R.rms_norm_forward(x, w, 1e-6, 0.0, False)
         dx_int64, dx_scalar = torch.empty_like(x), torch.empty_like(x)
         current = partial(
-            launch, R._rms_norm_backward_kernel, dy, x, w, rstd, dx_int64, WEIGHT_FROM_CACHE=False
+            launch,
+            R._rms_norm_backward_kernel,
+            dy,
+            x,
+            w,
+            rstd,
+            dx_int64,
+            extra=(dy, dy, dy, n_cols, n_cols, n_cols),
+            WEIGHT_FROM_CACHE=False,
         )
         variant = partial(launch, bwd_scalar_base, dy, x, w, rstd, dx_scalar)
         same = torch.equal(current(), variant()) and torch.equal(dx_int64, dx_scalar)

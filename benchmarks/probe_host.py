@@ -54,17 +54,18 @@ def main() -> None:
     block_n, rows, num_warps = norm_forward_config(HIDDEN)
     grid = (cdiv(ROWS, rows),)
     # the kernel's arguments in signature order, constexprs included
-    args = (x, weight, y, rstd, HIDDEN, HIDDEN, ROWS, HIDDEN, EPS, 0.0, False, block_n, rows)
+    args = (x, weight, y, rstd, HIDDEN, HIDDEN, ROWS, HIDDEN, EPS, 0.0, x, y, HIDDEN)
+    args += (False, block_n, rows, False)  # constexprs GEMMA, BLOCK_N, ROWS, ADD
     options = dict(GEMMA=False, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps)
 
     def triton_launch():
-        mp._rms_norm_forward_kernel[grid](*args[:10], **options)
+        mp._rms_norm_forward_kernel[grid](*args[:13], **options)
 
     def triton_launch_on_device():
         with on_device(x):
             triton_launch()
 
-    compiled = mp._rms_norm_forward_kernel.run(*args[:10], **options, grid=grid, warmup=False)
+    compiled = mp._rms_norm_forward_kernel.run(*args[:13], **options, grid=grid, warmup=False)
     compiled._init_handles()
 
     def compiled_launch():

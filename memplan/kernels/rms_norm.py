@@ -69,10 +69,16 @@ def _rms_norm_forward_kernel(
     n_cols,
     eps,
     offset,
+    branch_ptr,
+    h_ptr,
+    branch_row_stride,
     GEMMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
+    ADD: tl.constexpr = False,
 ):
+    """y = norm(x), or with ADD: h = x + branch (rounded to x's dtype, as torch's add), y = norm(h).
+    h is stored with y's row stride."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -80,6 +86,14 @@ def _rms_norm_forward_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
 
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    if ADD:
+        branch = tl.load(
+            branch_ptr + rows[:, None] * branch_row_stride + cols[None, :], mask=mask, other=0.0
+        )
+        # torch's add: the sum in fp32, rounded to nearest even (Triton's default on the GPU;
+        # its CPU interpreter truncates)
+        x = (x.to(tl.float32) + branch.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows[:, None] * y_row_stride + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
 
@@ -113,13 +127,23 @@ def _rms_norm_backward_kernel(
     n_cols,
     rows_per_program,
     offset,
+    dy2_ptr,
+    dy3_ptr,
+    residual_grad_ptr,
+    dy2_row_stride,
+    dy3_row_stride,
+    residual_grad_row_stride,
     GEMMA: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     PAIRED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     WEIGHT_FROM_CACHE: tl.constexpr,
+    N_DY: tl.constexpr = 1,
+    ADD_RESIDUAL_GRAD: tl.constexpr = False,
 ):
+    """dx (and the dW partials) from dy = the sum of N_DY output gradients (one per consumer of
+    the output), plus with ADD_RESIDUAL_GRAD the residual stream's gradient added to dx."""
     pid = tl.program_id(0).to(tl.int64)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
@@ -137,6 +161,14 @@ def _rms_norm_backward_kernel(
         dy = load_fp32(
             dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask, WEIGHT_FROM_CACHE
         )
+        if N_DY >= 2:
+            dy += load_fp32(
+                dy2_ptr + rows[:, None] * dy2_row_stride + cols[None, :], mask, WEIGHT_FROM_CACHE
+            )
+        if N_DY >= 3:
+            dy += load_fp32(
+                dy3_ptr + rows[:, None] * dy3_row_stride + cols[None, :], mask, WEIGHT_FROM_CACHE
+            )
         x = load_fp32(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask, WEIGHT_FROM_CACHE)
         if WEIGHT_FROM_CACHE:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -146,6 +178,12 @@ def _rms_norm_backward_kernel(
         m = dy * w[None, :]
         mean_mn = tl.sum(m * normed, axis=1) / n_cols
         dx = (m - normed * mean_mn[:, None]) * rstd[:, None]
+        if ADD_RESIDUAL_GRAD:
+            dx += load_fp32(
+                residual_grad_ptr + rows[:, None] * residual_grad_row_stride + cols[None, :],
+                mask,
+                WEIGHT_FROM_CACHE,
+            )
         tl.store(
             dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
             dx.to(dx_ptr.dtype.element_ty),
@@ -167,16 +205,23 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, gemma: bool) -> torch.d
     return x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
 
 
-def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, gemma: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): y like x (dtype per casting mode), rstd fp32 of shape x.shape[:-1]."""
+def _launch_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    gemma: bool,
+    branch: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y, rstd, h): h = x + branch when a branch is given, y = norm(h if given else x)."""
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
     y = torch.empty(x.shape, dtype=_output_dtype(x, weight, gemma), device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    h = None if branch is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:  # no rows, or rows of 0 elements (as torch's rms_norm: empty output)
-        return y, rstd
+        return y, rstd, h
+    branch2 = x2 if branch is None else as_rows(branch)
     block_n, rows, num_warps = norm_forward_config(n_cols)
     with on_device(x):
         _rms_norm_forward_kernel[(cdiv(n_rows, rows),)](
@@ -190,12 +235,37 @@ def rms_norm_forward(
             n_cols,
             eps,
             offset,
+            branch2,
+            y if h is None else h,
+            branch2.stride(0),
             GEMMA=gemma,
             BLOCK_N=block_n,
             ROWS=rows,
+            ADD=branch is not None,
             num_warps=num_warps,
         )
+    return y, rstd, h
+
+
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, gemma: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y like x (dtype per casting mode), rstd fp32 of shape x.shape[:-1]."""
+    y, rstd, _ = _launch_forward(x, weight, eps, offset, gemma, None)
     return y, rstd
+
+
+def add_rms_norm_forward(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    gemma: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, y, rstd): h = residual + branch in their dtype, y = norm(h), one read of each."""
+    y, rstd, h = _launch_forward(residual, weight, eps, offset, gemma, branch)
+    return h, y, rstd
 
 
 def rms_norm_backward(
@@ -207,9 +277,15 @@ def rms_norm_backward(
     gemma: bool,
     compute_dw: bool,
     dx: torch.Tensor | None = None,
+    extra_dys: tuple[torch.Tensor, ...] = (),
+    residual_grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dx, dw). dx is written into `dx` when given (it may be dy itself: each program reads a
-    tile of rows entirely before writing the same rows)."""
+    """(dx, dw) for the output gradient dy + sum(extra_dys) (at most two: the gradients of the
+    same output from several consumers), plus residual_grad added to dx. dx is written into `dx`
+    when given (it may be dy itself: each program reads a tile of rows entirely before writing
+    the same rows)."""
+    if len(extra_dys) > 2:
+        raise ValueError(f"at most 3 output gradients, got {1 + len(extra_dys)}")
     x2 = as_rows(x)
     dy2 = as_rows(dy)
     n_rows, n_cols = x2.shape
@@ -218,6 +294,8 @@ def rms_norm_backward(
     dx2 = dx.view(n_rows, n_cols)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight) if compute_dw else None
+    extra = [as_rows(g) for g in extra_dys] + [dy2] * (2 - len(extra_dys))
+    res2 = dy2 if residual_grad is None else as_rows(residual_grad)
     config = norm_backward_config(n_rows, n_cols, x.device, "rms_norm")
     n_programs = config.n_programs
     dw_partial = (
@@ -240,12 +318,20 @@ def rms_norm_backward(
             n_cols,
             config.rows_per_program,
             offset,
+            extra[0],
+            extra[1],
+            res2,
+            extra[0].stride(0),
+            extra[1].stride(0),
+            res2.stride(0),
             GEMMA=gemma,
             COMPUTE_DW=compute_dw,
             PAIRED=partial_layout(n_programs, x.device)[1],
             BLOCK_N=config.block_n,
             ROWS=config.rows,
             WEIGHT_FROM_CACHE=config.weight_from_cache,
+            N_DY=1 + len(extra_dys),
+            ADD_RESIDUAL_GRAD=residual_grad is not None,
             num_warps=config.num_warps,
         )
     dw = sum_partials(dw_partial, weight.dtype)[0] if compute_dw else None
@@ -273,6 +359,26 @@ def _(x, weight, eps, offset, gemma, in_place_backward):
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
+@torch.library.custom_op("memplan::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    gemma: bool,
+    in_place_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return add_rms_norm_forward(residual, branch, weight, eps, offset, gemma)
+
+
+@_add_rms_norm_op.register_fake
+def _(residual, branch, weight, eps, offset, gemma, in_place_backward):
+    y = residual.new_empty(residual.shape, dtype=_output_dtype(residual, weight, gemma))
+    rstd = residual.new_empty(residual.shape[:-1], dtype=torch.float32)
+    return residual.new_empty(residual.shape), y, rstd
+
+
 @torch.library.custom_op("memplan::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(
     dy: torch.Tensor,
@@ -282,13 +388,16 @@ def _rms_norm_backward_op(
     offset: float,
     gemma: bool,
     compute_dw: bool,
+    residual_grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = rms_norm_backward(dy, x, weight, rstd, offset, gemma, compute_dw)
+    dx, dw = rms_norm_backward(
+        dy, x, weight, rstd, offset, gemma, compute_dw, residual_grad=residual_grad
+    )
     return dx, dw if dw is not None else weight.new_empty(0)
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, offset, gemma, compute_dw):
+def _(dy, x, weight, rstd, offset, gemma, compute_dw, residual_grad=None):
     return x.new_empty(x.shape), weight.new_empty(weight.shape if compute_dw else (0,))
 
 
@@ -301,13 +410,16 @@ def _rms_norm_backward_inplace_op(
     offset: float,
     gemma: bool,
     compute_dw: bool,
+    residual_grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    _, dw = rms_norm_backward(dy, x, weight, rstd, offset, gemma, compute_dw, dx=dy)
+    _, dw = rms_norm_backward(
+        dy, x, weight, rstd, offset, gemma, compute_dw, dx=dy, residual_grad=residual_grad
+    )
     return dw if dw is not None else weight.new_empty(0)
 
 
 @_rms_norm_backward_inplace_op.register_fake
-def _(dy, x, weight, rstd, offset, gemma, compute_dw):
+def _(dy, x, weight, rstd, offset, gemma, compute_dw, residual_grad=None):
     return weight.new_empty(weight.shape if compute_dw else (0,))
 
 
@@ -316,53 +428,153 @@ def _save(ctx, x, weight, rstd, offset, gemma, in_place_backward) -> None:
     ctx.offset, ctx.gemma, ctx.in_place_backward = offset, gemma, in_place_backward
 
 
+def _norm_grads(
+    ctx, dys: tuple[torch.Tensor | None, ...], residual_grad: torch.Tensor | None, needs_dx: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dw) of a norm (or of residual + branch before it) from the gradients of its output's
+    consumers (None where one gave none) and, after a residual add, of the sum itself."""
+    x, weight, rstd = ctx.saved_tensors
+    compute_dw = ctx.needs_input_grad[ctx.weight_index]
+    dys = tuple(g for g in dys if g is not None)
+    if not dys:
+        dw = torch.zeros_like(weight) if compute_dw else None
+        return (residual_grad if needs_dx else None), dw
+    dy, extra = dys[0], dys[1:]
+    # dx over dy: only where the caller allowed it (dy must be read by nothing else, e.g. not
+    # shared with a residual branch) and dx is wanted at all.
+    in_place = ctx.in_place_backward and needs_dx and dy.dtype == x.dtype and dy.is_contiguous()
+    args = (x, weight, rstd, ctx.offset, ctx.gemma, compute_dw)
+    if not use_custom_op(dy):
+        dx, dw = rms_norm_backward(
+            dy,
+            *args,
+            dx=dy if in_place else None,
+            extra_dys=extra,
+            residual_grad=residual_grad,
+        )
+    else:
+        # Traced (torch.compile): one output gradient, as the custom op hands out one output.
+        for g in extra:
+            dy = dy + g
+        if in_place:
+            dx, dw = dy, torch.ops.memplan.rms_norm_backward_(dy, *args, residual_grad)
+        else:
+            dx, dw = torch.ops.memplan.rms_norm_backward(dy, *args, residual_grad)
+    return dx, dw if compute_dw else None
+
+
 @first_order_only
 def _backward(ctx, dy, *_unused):
     """Gradients of (x, weight, eps, offset, gemma, in_place_backward); shared by the custom
     op's autograd (torch.compile, fake and meta tensors: backward through the custom ops) and
     the eager autograd.Function (the launchers directly)."""
-    x, weight, rstd = ctx.saved_tensors
-    compute_dw = ctx.needs_input_grad[1]
-    # dx over dy: only where the caller allowed it (dy must be read by nothing else, e.g. not
-    # shared with a residual branch) and dx is wanted at all.
-    in_place = (
-        ctx.in_place_backward
-        and ctx.needs_input_grad[0]
-        and dy.dtype == x.dtype
-        and dy.is_contiguous()
-    )
-    args = (x, weight, rstd, ctx.offset, ctx.gemma, compute_dw)
-    if not use_custom_op(dy):
-        dx, dw = rms_norm_backward(dy, *args, dx=dy if in_place else None)
-    elif in_place:
-        dx, dw = dy, torch.ops.memplan.rms_norm_backward_(dy, *args)
-    else:
-        dx, dw = torch.ops.memplan.rms_norm_backward(dy, *args)
-    return dx, dw if compute_dw else None, None, None, None, None
+    dx, dw = _norm_grads(ctx, (dy,), None, ctx.needs_input_grad[0])
+    return dx, dw, None, None, None, None
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, _eps, offset, gemma, in_place_backward = inputs
     ctx.mark_non_differentiable(output[1])
+    ctx.weight_index = 1
     _save(ctx, x, weight, output[1], offset, gemma, in_place_backward)
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@first_order_only
+def _add_backward(ctx, dh, dy, *_unused):
+    """Gradients of (residual, branch, weight, eps, offset, gemma, in_place_backward): both
+    summands get the sum's gradient."""
+    needs_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    dx, dw = _norm_grads(ctx, (dy,), dh, needs_dx)
+    return (
+        dx if ctx.needs_input_grad[0] else None,
+        dx if ctx.needs_input_grad[1] else None,
+        dw,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+def _add_setup_context(ctx, inputs, output):
+    _residual, _branch, weight, _eps, offset, gemma, in_place_backward = inputs
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
+    ctx.weight_index = 2
+    _save(ctx, output[0], weight, output[2], offset, gemma, in_place_backward)
+
+
+_add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup_context)
+
+
 class _RMSNormFunction(torch.autograd.Function):
-    """The eager path (see memplan.kernels._utils.use_custom_op)."""
+    """The eager path (see memplan.kernels._utils.use_custom_op). With consumers > 1 the output
+    is handed out that many times, as views of one tensor: each consumer's gradient then comes
+    back on its own and the backward kernel sums them in fp32, in the same pass, instead of
+    autograd adding them pairwise first (two reads and a write per extra consumer)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, gemma, in_place_backward):
+    def forward(ctx, x, weight, eps, offset, gemma, in_place_backward, consumers):
         y, rstd = rms_norm_forward(x, weight, eps, offset, gemma)
+        ctx.set_materialize_grads(False)
+        ctx.weight_index = 1
         _save(ctx, x, weight, rstd, offset, gemma, in_place_backward)
-        return y
+        return y if consumers == 1 else _hand_out(y, consumers)
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    @first_order_only
+    def backward(ctx, *dys):
+        dx, dw = _norm_grads(ctx, dys, None, ctx.needs_input_grad[0])
+        return dx, dw, None, None, None, None, None
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    """residual + branch, then RMSNorm, in one pass each way (eager path); outputs (h, y, ...)
+    with y handed out `consumers` times as in _RMSNormFunction."""
+
+    @staticmethod
+    def forward(ctx, residual, branch, weight, eps, offset, gemma, in_place_backward, consumers):
+        h, y, rstd = add_rms_norm_forward(residual, branch, weight, eps, offset, gemma)
+        ctx.set_materialize_grads(False)
+        ctx.weight_index = 2
+        _save(ctx, h, weight, rstd, offset, gemma, in_place_backward)
+        return (h, *_hand_out(y, consumers))
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dh, *dys):
+        needs_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dx, dw = _norm_grads(ctx, dys, dh, needs_dx)
+        dr = dx if ctx.needs_input_grad[0] else None
+        db = dx if ctx.needs_input_grad[1] else None
+        return dr, db, dw, None, None, None, None, None
+
+
+def _hand_out(y: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
+    return (y, *(y.view_as(y) for _ in range(consumers - 1)))
 
 
 # --- public API -----------------------------------------------------------------------------
+
+MAX_CONSUMERS = 3
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, casting: str, consumers: int) -> None:
+    if casting not in CASTING_MODES:
+        raise UsageError(f"casting must be one of {CASTING_MODES}, got {casting!r}.")
+    if x.dim() == 0:
+        raise UsageError("rms_norm normalizes the last dim of x, which has none (a 0-d tensor).")
+    if weight.shape != (x.shape[-1],):
+        raise UsageError(
+            f"RMSNorm weight of shape {tuple(weight.shape)} does not match hidden size "
+            f"{x.shape[-1]}."
+        )
+    if not (isinstance(consumers, int) and 1 <= consumers <= MAX_CONSUMERS):
+        raise UsageError(f"consumers must be an int from 1 to {MAX_CONSUMERS}, got {consumers!r}.")
+    check_floating("rms_norm", x, weight)
 
 
 def rms_norm(
@@ -375,22 +587,77 @@ def rms_norm(
     in_place_backward: bool = False,
 ) -> torch.Tensor:
     """Fused RMSNorm over the last dim of x (any leading shape). See the module docstring."""
-    if casting not in CASTING_MODES:
-        raise UsageError(f"casting must be one of {CASTING_MODES}, got {casting!r}.")
-    if x.dim() == 0:
-        raise UsageError("rms_norm normalizes the last dim of x, which has none (a 0-d tensor).")
-    if weight.shape != (x.shape[-1],):
-        raise UsageError(
-            f"RMSNorm weight of shape {tuple(weight.shape)} does not match hidden size "
-            f"{x.shape[-1]}."
-        )
-    check_floating("rms_norm", x, weight)
+    return rms_norm_consumed(
+        x, weight, eps, offset=offset, casting=casting, in_place_backward=in_place_backward
+    )[0]
+
+
+def rms_norm_consumed(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    consumers: int = 1,
+    offset: float = 0.0,
+    casting: str = "llama",
+    in_place_backward: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """rms_norm's output once per consumer (1-3): equal views of one tensor, whose gradients the
+    backward sums in its own pass (e.g. q, k and v projections of one normalized input). Under
+    torch.compile the same tensor is repeated and autograd sums the gradients."""
+    _check_args(x, weight, casting, consumers)
     # The kernels read the weight with unit stride; autograd sends its gradient through the copy.
     weight = weight.contiguous()
     args = (x, weight, float(eps), float(offset), casting == "gemma", in_place_backward)
     if use_custom_op(x):
-        return torch.ops.memplan.rms_norm(*args)[0]
-    return _RMSNormFunction.apply(*args)
+        return (torch.ops.memplan.rms_norm(*args)[0],) * consumers
+    outputs = _RMSNormFunction.apply(*args, consumers)
+    return outputs if consumers > 1 else (outputs,)
+
+
+def add_rms_norm(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    consumers: int = 1,
+    offset: float = 0.0,
+    casting: str = "llama",
+    in_place_backward: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(h, ys): h = residual + branch (the next residual stream, in their dtype) and ys =
+    rms_norm(h) once per consumer as in rms_norm_consumed, from one read of residual and branch.
+    Backward adds h's own gradient to the norm's input gradient in the same pass. residual and
+    branch must have one shape and dtype."""
+    _check_args(residual, weight, casting, consumers)
+    if branch.shape != residual.shape or branch.dtype != residual.dtype:
+        raise UsageError(
+            f"add_rms_norm adds tensors of one shape and dtype, got {tuple(residual.shape)} "
+            f"{residual.dtype} and {tuple(branch.shape)} {branch.dtype}."
+        )
+    check_floating("add_rms_norm", branch)
+    weight = weight.contiguous()
+    args = (residual, branch, weight, float(eps), float(offset), casting == "gemma")
+    if use_custom_op(residual):
+        h, y, _ = torch.ops.memplan.add_rms_norm(*args, in_place_backward)
+        return h, (y,) * consumers
+    h, *ys = _AddRMSNormFunction.apply(*args, in_place_backward, consumers)
+    return h, tuple(ys)
+
+
+def reference_add_rms_norm(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch: the decoder layer's `residual + hidden_states` then its RMSNorm."""
+    h = residual + branch
+    return h, reference_rms_norm(h, weight, eps, offset=offset, casting=casting)
 
 
 class RMSNorm(torch.nn.Module):

@@ -504,8 +504,70 @@ def _plan_targets(
                 f"{name or cls} ({cls}) does not have the layout memplan's {spec.model_type} "
                 f"patch expects: {exc}; the model is unchanged"
             ) from exc
+    if "rms_norm" in chosen and spec.decoder_layer is not None:
+        targets += _decoder_layer_targets(hf_model, spec, targets)
     _check_forwards_are_free(hf_model, targets, originals)
     return targets
+
+
+def _decoder_layer_targets(
+    hf_model: nn.Module, spec: PatchSpec, targets: Sequence[_Target]
+) -> list[_Target]:
+    """The decoder layers whose two norms memplan patches, with their residual adds fused into
+    the norms (forwards.decoder_layer_forward), wired to the modules around them."""
+    layer_spec = spec.decoder_layer
+    patched = {id(t.module): t.kernels for t in targets}
+
+    def patched_norm(module: Any) -> nn.Module | None:
+        ours = isinstance(module, nn.Module) and "rms_norm" in patched.get(id(module), ())
+        return module if ours else None
+
+    def attention_inputs(layer: nn.Module) -> int:
+        rope = "rope" in patched.get(id(getattr(layer, "self_attn", None)), ())
+        return 3 if rope and spec.attention.qkv == "separate" else 1
+
+    def mlp_inputs(layer: nn.Module) -> int:
+        kernels = patched.get(id(getattr(layer, "mlp", None)), ())
+        glu = "swiglu" in kernels or "geglu" in kernels
+        return 2 if glu and spec.mlp is not None and not spec.mlp.fused_gate_up else 1
+
+    def eligible(layer: nn.Module) -> bool:
+        norms = (getattr(layer, a, None) for a in ("input_layernorm", "post_attention_layernorm"))
+        return all(patched_norm(norm) is not None for norm in norms)
+
+    # in the order the base model runs them
+    layers = [(n, m) for n, m in hf_model.named_modules() if type(m).__name__ in layer_spec.classes]
+    base = getattr(hf_model, spec.causal_lm.base_model_attr, None)
+    final_norm = patched_norm(getattr(base, layer_spec.final_norm_attr, None))
+    norm_module = importlib.import_module(KERNEL_FUNCTIONS["rms_norm"][0])
+    norm_kernels = (norm_module.rms_norm_consumed, norm_module.add_rms_norm)
+    result = []
+    for index, (name, layer) in enumerate(layers):
+        if not eligible(layer):
+            continue
+        try:
+            _require(layer, ("self_attn", "mlp", *(layer_spec.branch_dropouts or ())))
+        except AttributeError as exc:
+            raise MemplanError(
+                f"{name} ({type(layer).__name__}) does not have the layout memplan's "
+                f"{spec.model_type} patch expects: {exc}; the model is unchanged"
+            ) from exc
+        if index + 1 < len(layers):
+            following = layers[index + 1][1]
+            next_norm = patched_norm(getattr(following, "input_layernorm", None))
+            # a layer left as it is calls its norm module with one output
+            next_inputs = attention_inputs(following) if eligible(following) else 1
+        else:
+            next_norm, next_inputs = final_norm, 1
+        wiring = forwards.LayerWiring(
+            attention_inputs=attention_inputs(layer),
+            mlp_inputs=mlp_inputs(layer),
+            next_norm=next_norm,
+            next_inputs=next_inputs,
+        )
+        forward = forwards.decoder_layer_forward(layer_spec, spec.norm, norm_kernels, wiring)
+        result.append(_Target(name, layer, ("rms_norm",), forward))
+    return result
 
 
 def _loss_kernels(hf_model: nn.Module, chosen: tuple[str, ...]) -> tuple[str, ...]:
@@ -605,3 +667,4 @@ def _restore(installed: Sequence[_Installed]) -> None:
             continue
         record.module.__dict__.pop("forward", None)
         record.module.__dict__.pop(_REPLICATE, None)
+        record.module.__dict__.pop(forwards.PRENORMED, None)

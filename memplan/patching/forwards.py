@@ -19,20 +19,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memplan.patching.specs import AttentionSpec, CausalLMSpec, MlpSpec, NormSpec
+from memplan.patching.specs import (
+    AttentionSpec,
+    CausalLMSpec,
+    DecoderLayerSpec,
+    MlpSpec,
+    NormSpec,
+)
 
 Forward = Callable[..., Any]
 
+# The keyword under which a patched decoder layer hands memplan's attention and MLP forwards one
+# view of the normalized input per projection (see DecoderLayerSpec).
+PROJECTION_INPUTS = "memplan_projection_inputs"
 
-def norm_forward(spec: NormSpec, rms_norm: Callable[..., torch.Tensor]) -> Forward:
-    eps_attr = spec.eps_attr
-    options = {
+# Instance attribute of a norm module: (h, views of norm(h)) computed by the previous layer's
+# last residual add, for the norm's next call on exactly h.
+PRENORMED = "_memplan_prenormed"
+
+
+def _norm_options(spec: NormSpec) -> dict[str, Any]:
+    return {
         "offset": spec.offset,
         "casting": spec.casting,
         "in_place_backward": spec.in_place_backward,
     }
 
+
+def take_prenormed(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The outputs the previous layer computed for this norm if x is the tensor it computed them
+    from; the entry is removed either way (it holds activations)."""
+    if PRENORMED not in norm.__dict__:
+        return None
+    source, outputs = norm.__dict__.pop(PRENORMED)
+    return outputs if source is x else None
+
+
+def norm_forward(spec: NormSpec, rms_norm: Callable[..., torch.Tensor]) -> Forward:
+    eps_attr = spec.eps_attr
+    options = _norm_options(spec)
+
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        prenormed = take_prenormed(self, hidden_states)
+        if prenormed is not None:
+            return prenormed[0]
         return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), **options)
 
     return forward
@@ -50,9 +80,96 @@ def mlp_forward(
     else:
         # gate and up are fresh projection outputs that nothing else reads (a Linear's backward
         # needs its input, not its output), so their buffers can take the gradients.
-        def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        def forward(
+            self: nn.Module, x: torch.Tensor, **projection_inputs: tuple[torch.Tensor, ...]
+        ) -> torch.Tensor:
+            x_gate, x_up = projection_inputs.get(PROJECTION_INPUTS, (x, x))
+            gate, up = self.gate_proj(x_gate), self.up_proj(x_up)
             return glu(gate, up, in_place_backward=True, down=self.down_proj)
+
+    return forward
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWiring:
+    """What one patched decoder layer needs to know about its neighbours, fixed at apply time.
+
+    attention_inputs / mlp_inputs: how many views of the normalized input the layer's attention
+        and MLP forwards take (3 for memplan's attention with q, k, v projections, 2 for memplan's
+        MLP with gate and up projections, else 1).
+    next_norm: the norm that reads this layer's output (the next layer's input_layernorm, or the
+        model's final norm), with next_inputs views of its output; None: the layer's last
+        residual add stays a plain add."""
+
+    attention_inputs: int
+    mlp_inputs: int
+    next_norm: nn.Module | None
+    next_inputs: int
+
+
+def decoder_layer_forward(
+    spec: DecoderLayerSpec,
+    norm_spec: NormSpec,
+    norm_kernels: tuple[Callable[..., Any], Callable[..., Any]],
+    wiring: LayerWiring,
+) -> Forward:
+    """The pre-norm decoder layer of DecoderLayerSpec, with each residual add fused into the norm
+    after it. The add that ends the layer runs with the next norm, in this layer: its result goes
+    to the next norm's module (PRENORMED), which hands it out when it is called on this layer's
+    output. Not under gradient checkpointing (the recomputed next layer would compute its norm
+    where the first forward took it from here) nor while torch.compile traces."""
+    consumed_norm, add_norm = norm_kernels
+    eps_attr = norm_spec.eps_attr
+    options = _norm_options(norm_spec)
+    dropouts = spec.branch_dropouts
+
+    def normed(norm: nn.Module, x: torch.Tensor, inputs: int) -> tuple[torch.Tensor, ...]:
+        return consumed_norm(x, norm.weight, getattr(norm, eps_attr), consumers=inputs, **options)
+
+    def added_normed(
+        norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor, inputs: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        if residual.dtype != branch.dtype or residual.shape != branch.shape:
+            # e.g. an fp32 residual stream under autocast: torch's add promotes
+            hidden = residual + branch
+            return hidden, normed(norm, hidden, inputs)
+        return add_norm(
+            residual, branch, norm.weight, getattr(norm, eps_attr), consumers=inputs, **options
+        )
+
+    def projection_inputs(views: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        return {PROJECTION_INPUTS: views} if len(views) > 1 else {}
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args:  # arguments only the family's own signature can place
+            return type(self).forward(self, hidden_states, *args, **kwargs)
+        residual = hidden_states
+        views = take_prenormed(self.input_layernorm, hidden_states)
+        if views is None:
+            views = normed(self.input_layernorm, hidden_states, wiring.attention_inputs)
+        attention_out, _ = self.self_attn(
+            hidden_states=views[0], **kwargs, **projection_inputs(views)
+        )
+        if dropouts is not None:
+            attention_out = getattr(self, dropouts[0])(attention_out)
+        residual, views = added_normed(
+            self.post_attention_layernorm, residual, attention_out, wiring.mlp_inputs
+        )
+        mlp_out = self.mlp(views[0], **projection_inputs(views))
+        if dropouts is not None:
+            mlp_out = getattr(self, dropouts[1])(mlp_out)
+
+        next_norm = wiring.next_norm
+        if (
+            next_norm is None
+            or (self.training and getattr(self, "gradient_checkpointing", False))
+            or torch.compiler.is_compiling()
+            or next_norm.weight.device != residual.device
+        ):
+            return residual + mlp_out
+        hidden_states, next_views = added_normed(next_norm, residual, mlp_out, wiring.next_inputs)
+        next_norm.__dict__[PRENORMED] = (hidden_states, next_views)
+        return hidden_states
 
     return forward
 
@@ -121,9 +238,10 @@ def attention_forward(
             # and a slice would keep the whole qkv output alive with it.
             value = qkv[..., q_size + kv_size :].contiguous()
         else:
-            query = self.q_proj(hidden_states)
-            key = self.k_proj(hidden_states)
-            value = self.v_proj(hidden_states)
+            x_q, x_k, x_v = kwargs.pop(PROJECTION_INPUTS, (hidden_states,) * 3)
+            query = self.q_proj(x_q)
+            key = self.k_proj(x_k)
+            value = self.v_proj(x_v)
         query, key, value = (t.view(hidden_shape) for t in (query, key, value))
 
         # The norm is per head vector, so before or after the transpose is the same math; before

@@ -73,12 +73,30 @@ class CausalLMSpec:
 
 
 @dataclass(frozen=True)
+class DecoderLayerSpec:
+    """Pre-norm decoder layers (input_layernorm, self_attn, residual add, post_attention_layernorm,
+    mlp, residual add), whose forward is replaced with patched norms: each residual add runs in
+    the norm that follows it (the next layer's input_layernorm, or the model's final norm, for
+    the layer's last add), and a norm's output reaches each projection that reads it as its own
+    view, so their gradients are summed in the norm's backward instead of by autograd.
+
+    branch_dropouts: dropout modules on the attention and MLP outputs before their adds (phi3).
+    final_norm_attr: the base model's norm after the last layer."""
+
+    classes: tuple[str, ...]
+    branch_dropouts: tuple[str, str] | None = None
+    final_norm_attr: str = "norm"
+
+
+@dataclass(frozen=True)
 class PatchSpec:
     model_type: str
     norm: NormSpec
     attention: AttentionSpec
     causal_lm: CausalLMSpec
     mlp: MlpSpec | None = None
+    # None: the family's layers keep their forward (Gemma 2/3 put norms after attention and MLP)
+    decoder_layer: DecoderLayerSpec | None = None
     notes: tuple[str, ...] = field(default=())
 
 
@@ -101,6 +119,7 @@ def _llama_like(
         ),
         mlp=MlpSpec(classes=_classes(prefix, "MLP")),
         causal_lm=CausalLMSpec(classes=_classes(prefix, "ForCausalLM")),
+        decoder_layer=DecoderLayerSpec(classes=_classes(prefix, "DecoderLayer")),
     )
 
 
@@ -127,6 +146,7 @@ SPECS: dict[str, PatchSpec] = {
             attention=AttentionSpec(classes=("GemmaAttention",)),
             mlp=MlpSpec(classes=("GemmaMLP",)),
             causal_lm=CausalLMSpec(classes=("GemmaForCausalLM",)),
+            decoder_layer=DecoderLayerSpec(classes=("GemmaDecoderLayer",)),
         ),
         PatchSpec(
             model_type="gemma2",
@@ -158,12 +178,17 @@ SPECS: dict[str, PatchSpec] = {
             ),
             mlp=MlpSpec(classes=("Phi3MLP",), fused_gate_up=True),
             causal_lm=CausalLMSpec(classes=("Phi3ForCausalLM",)),
+            decoder_layer=DecoderLayerSpec(
+                classes=("Phi3DecoderLayer",),
+                branch_dropouts=("resid_attn_dropout", "resid_mlp_dropout"),
+            ),
         ),
         PatchSpec(
             model_type="mixtral",
             norm=NormSpec(classes=("MixtralRMSNorm",)),
             attention=AttentionSpec(classes=("MixtralAttention",), sliding_window="config"),
             causal_lm=CausalLMSpec(classes=("MixtralForCausalLM",), moe_aux_loss=True),
+            decoder_layer=DecoderLayerSpec(classes=("MixtralDecoderLayer",)),
             notes=("the experts (3-D fused weights) keep transformers' implementation",),
         ),
         PatchSpec(
@@ -175,6 +200,7 @@ SPECS: dict[str, PatchSpec] = {
             # Only the dense layers (config.mlp_only_layers) have a Qwen3MoeMLP.
             mlp=MlpSpec(classes=("Qwen3MoeMLP",)),
             causal_lm=CausalLMSpec(classes=("Qwen3MoeForCausalLM",), moe_aux_loss=True),
+            decoder_layer=DecoderLayerSpec(classes=("Qwen3MoeDecoderLayer",)),
             notes=("the experts (3-D fused weights) keep transformers' implementation",),
         ),
     )

@@ -12,7 +12,12 @@ import torch
 
 from memplan.kernels.geglu import geglu, geglu_backward, reference_geglu
 from memplan.kernels.layer_norm import layer_norm, reference_layer_norm
-from memplan.kernels.rms_norm import reference_rms_norm, rms_norm
+from memplan.kernels.rms_norm import (
+    add_rms_norm,
+    reference_add_rms_norm,
+    reference_rms_norm,
+    rms_norm,
+)
 from memplan.kernels.rope import reference_rope, rope
 from memplan.kernels.swiglu import reference_swiglu, swiglu, swiglu_backward
 
@@ -52,6 +57,25 @@ def test_rms_norm(dtype, casting, offset, rows, hidden):
     y = rms_norm(x, w, 1e-6, offset=offset, casting=casting, in_place_backward=False)
     check((y,), (ref,), dtype)
     check(grads(y, (x, w), dy), grads(ref, (xr, wr), dy.to(ref.dtype)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+@pytest.mark.parametrize("rows,hidden", [(16384, 4096), (4099, 16384), (8191, 896)])
+def test_add_rms_norm(dtype, casting, offset, rows, hidden):
+    """The fused residual add with its output handed to three consumers (q, k, v): the sum is
+    torch's add bit for bit, the gradients those of add + norm with the three summed."""
+    residual, branch = (torch.randn(rows, hidden, device="cuda", dtype=dtype) for _ in range(2))
+    w = (torch.randn(hidden, device="cuda") * 0.1 + (0 if offset else 1)).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (residual, branch, w)]
+    refs = [t.detach().to(ref_dtype(dtype)).requires_grad_() for t in (residual, branch, w)]
+    h, ys = add_rms_norm(*leaves[:2], leaves[2], 1e-6, consumers=3, offset=offset, casting=casting)
+    h_ref, y_ref = reference_add_rms_norm(*refs, 1e-6, offset=offset, casting=casting)
+    assert torch.equal(h, residual + branch)
+    check((ys[0],), (y_ref,), dtype)
+    dh, *dys = (torch.randn_like(h) for _ in range(4))
+    want = grads((h_ref, y_ref), refs, (dh.to(h_ref.dtype), sum(d.to(h_ref.dtype) for d in dys)))
+    check(grads((h, *ys), leaves, (dh, *dys)), want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -135,6 +159,26 @@ def test_rms_norm_past_int32_offsets():
         normed = (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
         dw_ref += (dy[start : start + 65536].double() * normed.double()).sum(0)
     assert rel(dw, dw_ref) <= 1e-2
+
+
+def test_add_rms_norm_past_int32_offsets():
+    """Sum, norm and both input gradients at rows past 2**31 elements (two consumers)."""
+    hidden = 4096
+    shape = (BIG // hidden, hidden)
+    residual, branch = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    residual.requires_grad_()
+    w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    h, ys = add_rms_norm(residual, branch, w, 1e-6, consumers=2)
+    tail = slice(-64, None)
+    rt, bt = (t[tail].detach().float().requires_grad_() for t in (residual, branch))
+    h_ref, y_ref = reference_add_rms_norm(rt, bt, w.detach().float(), 1e-6)
+    assert torch.equal(h[tail], (residual[tail] + branch[tail]).detach())
+    assert rel(ys[1][tail], y_ref) <= 1e-2
+    del branch
+    dh, dy = torch.randn_like(h), torch.randn_like(h)
+    want = torch.autograd.grad((h_ref, y_ref), rt, (dh[tail].float(), 2 * dy[tail].float()))[0]
+    (dr,) = torch.autograd.grad((h, *ys), residual, (dh, dy, dy))
+    assert rel(dr[tail], want) <= 1e-2
 
 
 def test_layer_norm_past_int32_offsets():

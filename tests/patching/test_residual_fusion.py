@@ -1,0 +1,123 @@
+"""Patched pre-norm decoder layers: each residual add runs inside the norm after it (the next
+layer's input norm or the final norm for the layer's last add) and each projection reads its own
+view of the normalized input. Checked against unpatched HF models wherever the layer's forward is
+bypassed or the fusion must step aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memplan.patching as mp
+from memplan.kernels import rms_norm as norm_kernels
+from memplan.patching import forwards
+
+from .tiny_models import batch, build, lockstep, pair, rel_err
+
+PRE_NORM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of fused adds and of norm outputs taken from the previous layer."""
+    counts = {"add": 0, "taken": 0}
+    add, take = norm_kernels.add_rms_norm, forwards.take_prenormed
+
+    def counting_add(*args, **kwargs):
+        counts["add"] += 1
+        return add(*args, **kwargs)
+
+    def counting_take(norm, x):
+        outputs = take(norm, x)
+        counts["taken"] += outputs is not None
+        return outputs
+
+    monkeypatch.setattr(norm_kernels, "add_rms_norm", counting_add)
+    monkeypatch.setattr(forwards, "take_prenormed", counting_take)
+    return counts
+
+
+def leftover_entries(model) -> list[str]:
+    return [name for name, m in model.named_modules() if forwards.PRENORMED in m.__dict__]
+
+
+@pytest.mark.parametrize("family", PRE_NORM_FAMILIES)
+def test_every_residual_add_is_fused_and_nothing_is_left_behind(family, counted):
+    reference, patched = pair(family, torch.float32, num_hidden_layers=3)
+    applied = mp.apply(patched)
+    layers = [n for n in applied.modules["rms_norm"] if n.endswith(tuple("012"))]
+    assert layers == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
+    # 2 adds per layer; layers 1, 2 and the final norm take their input norm from the layer before
+    assert counted == {"add": 6, "taken": 3}
+    assert leftover_entries(patched) == []
+
+
+def test_sandwich_norm_families_keep_their_layers():
+    for family in ("gemma2", "gemma3_text"):
+        applied = mp.apply(build(family))
+        assert not any("layers." in n and n.count(".") == 2 for n in applied.modules["rms_norm"])
+
+
+def test_gradient_checkpointing_keeps_each_add_in_its_own_layer(counted):
+    """Recomputing a layer must not find its input norm computed by the layer before: under
+    checkpointing only the add inside each layer is fused."""
+    reference, patched = pair("llama", torch.float32)
+    for model in (reference, patched):
+        model.gradient_checkpointing_enable()
+    mp.apply(patched)
+    lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
+    assert counted["taken"] == 0
+    assert counted["add"] == 2 * 2 * 2  # 2 layers x (forward + recompute) x 2 steps
+
+
+def test_a_hook_between_layers_gets_the_norm_computed_again(counted):
+    """A forward hook that replaces a layer's output: the next layer's norm must read the new
+    tensor, not the one the fused add normalized."""
+    reference, patched = pair("llama", torch.float32)
+    for model in (reference, patched):
+        model.model.layers[0].register_forward_hook(lambda module, args, out: out * 1.5)
+    mp.apply(patched)
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
+    assert counted["taken"] == 1  # the final norm only
+    assert leftover_entries(patched) == []
+
+
+def test_positional_arguments_run_the_familys_forward():
+    reference, patched = pair("llama", torch.float32)
+    mp.apply(patched)
+    hidden = torch.randn(2, 5, 64)
+    rotary = reference.model.rotary_emb(hidden, torch.arange(5)[None].expand(2, -1))
+    layer_ref, layer_pat = reference.model.layers[1], patched.model.layers[1]
+    want = layer_ref(hidden, position_embeddings=rotary)
+    by_keyword = layer_pat(hidden, position_embeddings=rotary)
+    by_position = layer_pat(hidden, None, None, None, False, rotary)
+    assert rel_err(by_keyword, want) <= 1e-5 and rel_err(by_position, want) <= 1e-5
+
+
+def test_autocast_residual_stream_takes_the_plain_add():
+    """Under autocast the residual stream is fp32 and the branches bf16: torch's add promotes,
+    the fused add (one dtype) steps aside; losses match HF's under the same autocast."""
+    reference, patched = pair("llama", torch.float32)
+    mp.apply(patched)
+    inputs = batch(seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_ref, loss_pat = reference(**inputs).loss, patched(**inputs).loss
+    assert rel_err(loss_pat, loss_ref) <= 1e-2
+    assert leftover_entries(patched) == []
+
+
+def test_revert_restores_the_layers_and_clears_entries():
+    model = build("llama")
+    inputs = {k: v for k, v in batch(seed=0).items() if k != "labels"}
+    model.eval()
+    with torch.no_grad():
+        before = model(**inputs).logits
+    mp.apply(model)
+    norm = model.model.layers[1].input_layernorm
+    norm.__dict__[forwards.PRENORMED] = (torch.zeros(1), (torch.zeros(1),))  # as if left behind
+    mp.revert(model)
+    assert forwards.PRENORMED not in norm.__dict__
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, before)
