@@ -39,6 +39,10 @@ _STATE_ATTR = "_memplan_patch_state"
 _ACCELERATE_WRAPPED = "_original_forward"
 _REPLICATE = "_replicate_for_data_parallel"
 
+# "0": the decoder layers keep their forwards (their norms are still patched), for side-by-side
+# timings of the layer patch (benchmarks/probe_residual_fusion.py).
+FUSED_RESIDUALS_ENV = "MEMPLAN_FUSED_RESIDUALS"
+
 KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {
     "rms_norm": ("memplan.kernels.rms_norm", "rms_norm"),
     "layer_norm": ("memplan.kernels.layer_norm", "layer_norm"),
@@ -504,7 +508,8 @@ def _plan_targets(
                 f"{name or cls} ({cls}) does not have the layout memplan's {spec.model_type} "
                 f"patch expects: {exc}; the model is unchanged"
             ) from exc
-    if "rms_norm" in chosen and spec.decoder_layer is not None:
+    fuse_residuals = os.environ.get(FUSED_RESIDUALS_ENV, "1") != "0"
+    if "rms_norm" in chosen and spec.decoder_layer is not None and fuse_residuals:
         targets += _decoder_layer_targets(hf_model, spec, targets)
     _check_forwards_are_free(hf_model, targets, originals)
     return targets

@@ -1,0 +1,75 @@
+"""Probe: what the decoder-layer patch (residual adds fused into the norms, one view of the
+normalized input per projection) gains end to end. bench_e2e.py's cases, run as Liger, memplan
+without the layer patch (MEMPLAN_FUSED_RESIDUALS=0) and memplan, interleaved over several rounds,
+each run in its own fresh process; prints the median step time of each and their ratios.
+
+    python benchmarks/probe_residual_fusion.py [--only REGEX] [--rounds 3] [--steps 10]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_e2e import CASES  # noqa: E402
+from measure_grid import plan  # noqa: E402
+
+from memplan.patching.engine import FUSED_RESIDUALS_ENV  # noqa: E402
+from memplan.schema import GIB  # noqa: E402
+from memplan.verify.runner import run_case  # noqa: E402
+
+# variant -> (liger, memplan kernels, layer patch)
+VARIANTS = {
+    "liger": (True, "none", "1"),
+    "memplan, layers unpatched": (False, "all", "0"),
+    "memplan": (False, "all", "1"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="llama", help="regex over model names")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    cases = [c for c in CASES if re.search(args.only, c[0])]
+    step_ms: dict[tuple[str, str], list[float]] = {}
+    peaks: dict[tuple[str, str], float] = {}
+    for round_index in range(args.rounds):
+        for model, layers, batch, seq in cases:
+            for variant, (liger, kernels, fused) in VARIANTS.items():
+                os.environ[FUSED_RESIDUALS_ENV] = fused
+                case, spec = plan(
+                    model, batch, seq, {}, kernels=kernels, layers=layers, steps=args.steps,
+                    liger=liger,
+                )  # fmt: skip
+                m = run_case(case, spec=spec, timeout_s=300)
+                if m.status != "ok":
+                    sys.exit(f"{case.case} ({variant}): {m.error}")
+                step_ms.setdefault((model, variant), []).append(1e3 * m.step_s)
+                peaks[(model, variant)] = m.peak_bytes / GIB
+                print(f"round {round_index}  {model:14s} {variant:26s} {1e3 * m.step_s:8.2f} ms")
+    print()
+    print("| case | variant | step ms, median | each round | peak GiB | Liger / this |")
+    print("|---|---|---:|---|---:|---:|")
+    for model, *_ in cases:
+        liger_ms = statistics.median(step_ms[(model, "liger")])
+        for variant in VARIANTS:
+            times = step_ms[(model, variant)]
+            ms = statistics.median(times)
+            each = ", ".join(f"{t:.2f}" for t in times)
+            print(
+                f"| {model} | {variant} | {ms:.2f} | {each} | {peaks[(model, variant)]:.2f} "
+                f"| {liger_ms / ms:.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
