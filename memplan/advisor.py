@@ -49,7 +49,7 @@ def supported_kernels(spec: ModelSpec) -> tuple[str, ...]:
     glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act)
     if glu and not spec.num_experts:
         kernels.append(glu)
-    kernels += ["cross_entropy", "flce"]
+    kernels += ["cross_entropy", "flce", "embedding"]
     return tuple(k for k in KERNEL_NAMES if k in kernels)
 
 

@@ -29,6 +29,7 @@ KERNEL_NAMES: tuple[str, ...] = (
     "geglu",
     "cross_entropy",
     "flce",
+    "embedding",
 )
 
 GIB = 2**30

@@ -51,6 +51,7 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {
     "geglu": ("memplan.kernels.geglu", "geglu"),
     "cross_entropy": ("memplan.kernels.cross_entropy", "cross_entropy"),
     "flce": ("memplan.kernels.fused_linear_cross_entropy", "fused_linear_cross_entropy"),
+    "embedding": ("memplan.kernels.embedding", "embedding"),
 }
 
 
@@ -321,7 +322,24 @@ def supported_kernels(hf_model: nn.Module) -> tuple[str, ...]:
             found.add(glu)
     if type(hf_model).__name__ in spec.causal_lm.classes:
         found |= {"cross_entropy", "flce"}
+    if _token_embedding(hf_model, spec) is not None:
+        found.add("embedding")
     return tuple(k for k in KERNEL_NAMES if k in found)
+
+
+def _token_embedding(hf_model: nn.Module, spec: PatchSpec) -> nn.Embedding | None:
+    """The token embedding, where it is an nn.Embedding itself or the family's scaled subclass
+    (EmbeddingSpec; not an adapter) with the options the kernel implements."""
+    get = getattr(hf_model, "get_input_embeddings", None)
+    module = get() if callable(get) else None
+    plain = type(module) is nn.Embedding
+    if not (plain or type(module).__name__ == spec.embedding.scaled_class):
+        return None
+    if not plain and not hasattr(module, spec.embedding.scale_attr):
+        return None
+    if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        return None
+    return module
 
 
 def _gelu_approximation(mlp: nn.Module, activation: str) -> str:
@@ -459,6 +477,7 @@ def _plan_targets(
     loss_kernels = _loss_kernels(
         hf_model, tuple(k for k in ("cross_entropy", "flce") if k in chosen)
     )
+    embedding = _token_embedding(hf_model, spec) if "embedding" in chosen else None
     targets: list[_Target] = []
     for name, module in hf_model.named_modules():
         cls = type(module).__name__
@@ -489,6 +508,10 @@ def _plan_targets(
                     glu_function = functools.partial(glu_function, approximate=approximate)
                 forward = forwards.mlp_forward(spec.mlp, glu_function)
                 targets.append(_Target(name, module, (glu,), forward))
+            elif embedding is not None and module is embedding:
+                scale = spec.embedding.scale_attr if type(module) is not nn.Embedding else None
+                forward = forwards.embedding_forward(functions["embedding"], scale)
+                targets.append(_Target(name, module, ("embedding",), forward))
             elif loss_kernels and module is hf_model:
                 _require(module, ("lm_head", spec.causal_lm.base_model_attr, "config"))
                 if spec.causal_lm.moe_aux_loss:

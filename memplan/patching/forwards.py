@@ -68,6 +68,19 @@ def norm_forward(spec: NormSpec, rms_norm: Callable[..., torch.Tensor]) -> Forwa
     return forward
 
 
+def embedding_forward(embedding: Callable[..., torch.Tensor], scale_attr: str | None) -> Forward:
+    """The token embedding's lookup through memplan's kernel; with scale_attr, times that
+    attribute in the weight's dtype, as Gemma's scaled embeddings do."""
+
+    def forward(self: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        looked_up = embedding(input_ids, self.weight, self.padding_idx)
+        if scale_attr is None:
+            return looked_up
+        return looked_up * getattr(self, scale_attr).to(self.weight.dtype)
+
+    return forward
+
+
 def mlp_forward(
     spec: MlpSpec, glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ) -> Forward:

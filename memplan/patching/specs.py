@@ -73,6 +73,15 @@ class CausalLMSpec:
 
 
 @dataclass(frozen=True)
+class EmbeddingSpec:
+    """The token embedding -> memplan.kernels.embedding: an nn.Embedding itself, or the family's
+    subclass `scaled_class` whose forward multiplies the lookup by its `scale_attr` (Gemma)."""
+
+    scaled_class: str | None = None
+    scale_attr: str = "embed_scale"
+
+
+@dataclass(frozen=True)
 class DecoderLayerSpec:
     """Pre-norm decoder layers (input_layernorm, self_attn, residual add, post_attention_layernorm,
     mlp, residual add), whose forward is replaced with patched norms: each residual add runs in
@@ -97,6 +106,7 @@ class PatchSpec:
     mlp: MlpSpec | None = None
     # None: the family's layers keep their forward (Gemma 2/3 put norms after attention and MLP)
     decoder_layer: DecoderLayerSpec | None = None
+    embedding: EmbeddingSpec = field(default=EmbeddingSpec())
     notes: tuple[str, ...] = field(default=())
 
 
@@ -146,6 +156,7 @@ SPECS: dict[str, PatchSpec] = {
             attention=AttentionSpec(classes=("GemmaAttention",)),
             mlp=MlpSpec(classes=("GemmaMLP",)),
             causal_lm=CausalLMSpec(classes=("GemmaForCausalLM",)),
+            embedding=EmbeddingSpec(scaled_class="GemmaTextScaledWordEmbedding"),
             decoder_layer=DecoderLayerSpec(classes=("GemmaDecoderLayer",)),
         ),
         PatchSpec(
@@ -158,6 +169,7 @@ SPECS: dict[str, PatchSpec] = {
             ),
             mlp=MlpSpec(classes=("Gemma2MLP",), activation_config_attr="hidden_activation"),
             causal_lm=CausalLMSpec(classes=("Gemma2ForCausalLM",), final_logit_softcapping=True),
+            embedding=EmbeddingSpec(scaled_class="Gemma2TextScaledWordEmbedding"),
         ),
         PatchSpec(
             model_type="gemma3_text",
@@ -169,6 +181,7 @@ SPECS: dict[str, PatchSpec] = {
             ),
             mlp=MlpSpec(classes=("Gemma3MLP",), activation_config_attr="hidden_activation"),
             causal_lm=CausalLMSpec(classes=("Gemma3ForCausalLM",), final_logit_softcapping=True),
+            embedding=EmbeddingSpec(scaled_class="Gemma3TextScaledWordEmbedding"),
         ),
         PatchSpec(
             model_type="phi3",

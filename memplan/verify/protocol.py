@@ -20,7 +20,12 @@ EXIT_RUN = 6
 CLI_EXIT_OOM = 3
 
 
-_SHORT_KERNEL_NAMES = {"rms_norm": "rms", "layer_norm": "ln", "cross_entropy": "ce"}
+_SHORT_KERNEL_NAMES = {
+    "rms_norm": "rms",
+    "layer_norm": "ln",
+    "cross_entropy": "ce",
+    "embedding": "emb",
+}
 
 
 def case_name(model: str, setup: TrainSetup, *, liger: bool = False) -> str:
