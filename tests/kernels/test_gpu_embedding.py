@@ -17,7 +17,7 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("width", [2048, 4096])
 @pytest.mark.parametrize("kind", ["random", "one id", "half padding"])
 def test_weight_gradient_at_training_sizes(dtype, tol, width, kind):
