@@ -537,7 +537,11 @@ class _AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, residual, branch, weight, eps, offset, gemma, in_place_backward, consumers):
-        h, y, rstd = add_rms_norm_forward(residual, branch, weight, eps, offset, gemma)
+        if branch is None:  # h is the residual itself, handed back so that its gradient comes here
+            y, rstd = rms_norm_forward(residual, weight, eps, offset, gemma)
+            h = residual.view_as(residual)
+        else:
+            h, y, rstd = add_rms_norm_forward(residual, branch, weight, eps, offset, gemma)
         ctx.set_materialize_grads(False)
         ctx.weight_index = 2
         _save(ctx, h, weight, rstd, offset, gemma, in_place_backward)
@@ -617,7 +621,7 @@ def rms_norm_consumed(
 
 def add_rms_norm(
     residual: torch.Tensor,
-    branch: torch.Tensor,
+    branch: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     *,
@@ -629,14 +633,22 @@ def add_rms_norm(
     """(h, ys): h = residual + branch (the next residual stream, in their dtype) and ys =
     rms_norm(h) once per consumer as in rms_norm_consumed, from one read of residual and branch.
     Backward adds h's own gradient to the norm's input gradient in the same pass. residual and
-    branch must have one shape and dtype."""
+    branch must have one shape and dtype. Without a branch h is residual (a view of it: the first
+    layer's residual stream, whose gradient then joins the norm's in the same pass too)."""
     _check_args(residual, weight, casting, consumers)
-    if branch.shape != residual.shape or branch.dtype != residual.dtype:
+    if branch is None:
+        if use_custom_op(residual):  # a custom op cannot return a view of its input
+            return residual, rms_norm_consumed(
+                residual, weight, eps, consumers=consumers, offset=offset, casting=casting,
+                in_place_backward=in_place_backward,
+            )  # fmt: skip
+    elif branch.shape != residual.shape or branch.dtype != residual.dtype:
         raise UsageError(
             f"add_rms_norm adds tensors of one shape and dtype, got {tuple(residual.shape)} "
             f"{residual.dtype} and {tuple(branch.shape)} {branch.dtype}."
         )
-    check_floating("add_rms_norm", branch)
+    else:
+        check_floating("add_rms_norm", branch)
     weight = weight.contiguous()
     args = (residual, branch, weight, float(eps), float(offset), casting == "gemma")
     if use_custom_op(residual):

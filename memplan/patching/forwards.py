@@ -140,9 +140,12 @@ def decoder_layer_forward(
         return consumed_norm(x, norm.weight, getattr(norm, eps_attr), consumers=inputs, **options)
 
     def added_normed(
-        norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor, inputs: int
+        norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor | None, inputs: int
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        if residual.dtype != branch.dtype or residual.shape != branch.shape:
+        mismatched = branch is not None and (
+            residual.dtype != branch.dtype or residual.shape != branch.shape
+        )
+        if mismatched:
             # e.g. an fp32 residual stream under autocast: torch's add promotes
             hidden = residual + branch
             return hidden, normed(norm, hidden, inputs)
@@ -159,7 +162,9 @@ def decoder_layer_forward(
         residual = hidden_states
         views = take_prenormed(self.input_layernorm, hidden_states)
         if views is None:
-            views = normed(self.input_layernorm, hidden_states, wiring.attention_inputs)
+            residual, views = added_normed(
+                self.input_layernorm, hidden_states, None, wiring.attention_inputs
+            )
         attention_out, _ = self.self_attn(
             hidden_states=views[0], **kwargs, **projection_inputs(views)
         )

@@ -181,3 +181,20 @@ def test_bad_arguments_raise_usage_errors():
         rms_norm_consumed(x, torch.ones(8), 1e-6, consumers=4)
     with pytest.raises(UsageError, match="consumers"):
         add_rms_norm(x, x, torch.ones(8), 1e-6, consumers=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_a_branch_the_residual_is_handed_back(device, dtype):
+    """add_rms_norm(x, None): h is x itself (a view), and its gradient joins the norm's input
+    gradient in the backward's pass, as the first layer's residual stream does."""
+    residual, _, weight = inputs(device, dtype, shape=(4, 9, 130))
+    x, w = leaves(residual, weight)
+    h, ys = add_rms_norm(x, None, w, 1e-6, consumers=2)
+    assert h._base is x and torch.equal(h, x)
+    xr, wr = fp32_leaves(residual, weight)
+    y_ref = reference_rms_norm(xr, wr, 1e-6)
+    dh, g1, g2 = (torch.randn_like(h) for _ in range(3))
+    want = torch.autograd.grad((xr, y_ref), (xr, wr), (dh.float(), (g1 + g2).float()))
+    got = torch.autograd.grad((h, *ys), (x, w), (dh, g1, g2))
+    for g, g_ref in zip(got, want, strict=True):
+        assert rel(g, g_ref) <= TOL[dtype]
