@@ -40,7 +40,7 @@ _ACCELERATE_WRAPPED = "_original_forward"
 _REPLICATE = "_replicate_for_data_parallel"
 
 # "0": the decoder layers keep their forwards (their norms are still patched), for side-by-side
-# timings of the layer patch (benchmarks/probe_residual_fusion.py).
+# timings of the layer patch (benchmarks/probe_e2e_variants.py).
 FUSED_RESIDUALS_ENV = "MEMPLAN_FUSED_RESIDUALS"
 
 KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {

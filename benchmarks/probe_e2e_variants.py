@@ -1,9 +1,10 @@
-"""Probe: what the decoder-layer patch (residual adds fused into the norms, one view of the
-normalized input per projection) gains end to end. bench_e2e.py's cases, run as Liger, memplan
-without the layer patch (MEMPLAN_FUSED_RESIDUALS=0) and memplan, interleaved over several rounds,
-each run in its own fresh process; prints the median step time of each and their ratios.
+"""Probe: what each of memplan's session-13 changes gains end to end. bench_e2e.py's cases run
+as Liger, as memplan without the decoder-layer patch (MEMPLAN_FUSED_RESIDUALS=0: residual adds
+and projection-gradient sums by autograd), as memplan with torch's embedding backward (kernels
+without "embedding"), and as memplan, interleaved over several rounds, each run in its own fresh
+process; prints the median step time of each and Liger's time over it.
 
-    python benchmarks/probe_residual_fusion.py [--only REGEX] [--rounds 3] [--steps 10]"""
+    python benchmarks/probe_e2e_variants.py [--only REGEX] [--rounds 3] [--steps 10]"""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from memplan.verify.runner import run_case  # noqa: E402
 VARIANTS = {
     "liger": (True, "none", "1"),
     "memplan, layers unpatched": (False, "all", "0"),
+    "memplan, torch embedding": (False, "all but embedding", "1"),
     "memplan": (False, "all", "1"),
 }
 
@@ -47,15 +49,19 @@ def main() -> None:
             for variant, (liger, kernels, fused) in VARIANTS.items():
                 os.environ[FUSED_RESIDUALS_ENV] = fused
                 case, spec = plan(
-                    model, batch, seq, {}, kernels=kernels, layers=layers, steps=args.steps,
-                    liger=liger,
+                    model, batch, seq, {}, kernels=kernels.split()[0], layers=layers,
+                    steps=args.steps, liger=liger,
                 )  # fmt: skip
+                if kernels == "all but embedding":  # the same plan (FLCE budget) otherwise
+                    others = tuple(k for k in case.setup.kernels if k != "embedding")
+                    setup = case.setup.model_copy(update={"kernels": others})
+                    case = case.model_copy(update={"setup": setup, "case": case.case + "-noemb"})
                 m = run_case(case, spec=spec, timeout_s=300)
                 if m.status != "ok":
                     sys.exit(f"{case.case} ({variant}): {m.error}")
                 step_ms.setdefault((model, variant), []).append(1e3 * m.step_s)
                 peaks[(model, variant)] = m.peak_bytes / GIB
-                print(f"round {round_index}  {model:14s} {variant:26s} {1e3 * m.step_s:8.2f} ms")
+                print(f"round {round_index}  {model:14s} {variant:28s} {1e3 * m.step_s:8.2f} ms")
     print()
     print("| case | variant | step ms, median | each round | peak GiB | Liger / this |")
     print("|---|---|---:|---|---:|---:|")
