@@ -188,7 +188,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
         raise UsageError(f"embedding ids must be int32 or int64, got {ids.dtype}.")
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]
-    traced = torch.compiler.is_compiling() or type(weight) is not torch.Tensor
-    if traced or not (weight.requires_grad and torch.is_grad_enabled()) or weight.is_meta:
+    # a parameter is the usual weight; other tensor subclasses (fake, distributed) are torch's
+    plain = type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
+    trained = weight.requires_grad and torch.is_grad_enabled()
+    if torch.compiler.is_compiling() or not plain or not trained or weight.is_meta:
         return F.embedding(ids, weight, padding_idx)
     return _EmbeddingFunction.apply(ids, weight, padding_idx)

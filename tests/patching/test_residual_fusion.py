@@ -123,3 +123,23 @@ def test_revert_restores_the_layers_and_clears_entries():
     assert all("forward" not in m.__dict__ for m in model.modules())
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, before)
+
+
+def test_the_embedding_kernel_computes_a_patched_models_embedding_gradient(monkeypatch):
+    """The token embedding's weight is an nn.Parameter: its gradient must come from memplan's
+    kernel, and match HF's."""
+    import memplan.kernels.embedding as embedding_kernels
+
+    calls = []
+    backward = embedding_kernels.embedding_backward
+
+    def counting(*args, **kwargs):
+        calls.append(args[2])
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(embedding_kernels, "embedding_backward", counting)
+    reference, patched = pair("llama", torch.float32, tie_word_embeddings=False)
+    applied = mp.apply(patched)
+    assert applied.modules["embedding"] == ("model.embed_tokens",)
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
+    assert calls == [256]  # one backward, over the 256-row table
