@@ -292,15 +292,10 @@ def _cross_entropy_grad_from_lse_kernel(
 
 @fast_launch
 @triton.jit
-def _scale_rows_kernel(
-    x_ptr, row_stride, n_cols, scale_ptr, ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr
-):
+def _scale_rows_kernel(x_ptr, row_stride, n_cols, scale_ptr, BLOCK: tl.constexpr):
+    """x[row] *= scale[row] (a per-row grad_output; rows scaled by 1 are left as they are)."""
     row = tl.program_id(0).to(tl.int64)
-    if ROW_SCALE:
-        s = tl.load(scale_ptr + row)
-    else:
-        s = tl.load(scale_ptr)
-    # grad_output is 1 for a loss that is backpropagated directly: nothing to do, no sync.
+    s = tl.load(scale_ptr + row)
     if s != 1.0:
         cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -434,7 +429,8 @@ def launch_cross_entropy_grad_from_lse(
 @fast_launch
 @triton.jit
 def _scale_all_kernel(x_ptr, row_stride, n_cols, n_tiles, scale_ptr, BLOCK: tl.constexpr):
-    """x *= one scale, a bounded grid striding over (row, column block) tiles."""
+    """x *= one scale, a bounded grid striding over (row, column block) tiles. grad_output is 1
+    for a loss that is backpropagated directly: then nothing to do, and no host sync to know it."""
     s = tl.load(scale_ptr)
     if s != 1.0:
         col_blocks = tl.cdiv(n_cols, BLOCK)
@@ -467,9 +463,7 @@ def launch_scale_rows_(x: Tensor, scale: Tensor) -> None:
         _scale_all_kernel[grid](rows, rows.stride(0), n_cols, n_tiles, scale, BLOCK=block)
         return
     grid = (n_rows, cdiv(n_cols, block))
-    _scale_rows_kernel[grid](
-        rows, rows.stride(0), n_cols, scale, ROW_SCALE=True, BLOCK=block, num_warps=8
-    )
+    _scale_rows_kernel[grid](rows, rows.stride(0), n_cols, scale, BLOCK=block, num_warps=8)
 
 
 # --- custom ops -----------------------------------------------------------------------------
