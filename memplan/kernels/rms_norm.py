@@ -484,19 +484,16 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 @first_order_only
 def _add_backward(ctx, dh, dy, *_unused):
-    """Gradients of (residual, branch, weight, eps, offset, gemma, in_place_backward): both
-    summands get the sum's gradient."""
-    needs_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-    dx, dw = _norm_grads(ctx, (dy,), dh, needs_dx)
-    return (
-        dx if ctx.needs_input_grad[0] else None,
-        dx if ctx.needs_input_grad[1] else None,
-        dw,
-        None,
-        None,
-        None,
-        None,
-    )
+    """Gradients of (residual, branch, weight, eps, offset, gemma, in_place_backward)."""
+    return _add_grads(ctx, (dy,), dh) + (None,) * 4
+
+
+def _add_grads(ctx, dys, dh) -> tuple[torch.Tensor | None, ...]:
+    """(d residual, d branch, d weight) of residual + branch then the norm: both summands get the
+    sum's gradient."""
+    needs_residual, needs_branch = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = _norm_grads(ctx, dys, dh, needs_residual or needs_branch)
+    return dx if needs_residual else None, dx if needs_branch else None, dw
 
 
 def _add_setup_context(ctx, inputs, output):
@@ -550,11 +547,7 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, dh, *dys):
-        needs_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        dx, dw = _norm_grads(ctx, dys, dh, needs_dx)
-        dr = dx if ctx.needs_input_grad[0] else None
-        db = dx if ctx.needs_input_grad[1] else None
-        return dr, db, dw, None, None, None, None, None
+        return _add_grads(ctx, dys, dh) + (None,) * 5
 
 
 def _hand_out(y: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:

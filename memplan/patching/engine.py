@@ -528,15 +528,19 @@ def _plan_targets(
                 forward = forwards.causal_lm_forward(spec.causal_lm, original, kernels)
                 targets.append(_Target(cls, module, loss_kernels, forward))
         except (AttributeError, TypeError, ValueError) as exc:
-            raise MemplanError(
-                f"{name or cls} ({cls}) does not have the layout memplan's {spec.model_type} "
-                f"patch expects: {exc}; the model is unchanged"
-            ) from exc
+            raise _layout_error(name or cls, module, spec, exc) from exc
     fuse_residuals = os.environ.get(FUSED_RESIDUALS_ENV, "1") != "0"
     if "rms_norm" in chosen and spec.decoder_layer is not None and fuse_residuals:
         targets += _decoder_layer_targets(hf_model, spec, targets)
     _check_forwards_are_free(hf_model, targets, originals)
     return targets
+
+
+def _layout_error(name: str, module: nn.Module, spec: PatchSpec, exc: Exception) -> MemplanError:
+    return MemplanError(
+        f"{name} ({type(module).__name__}) does not have the layout memplan's {spec.model_type} "
+        f"patch expects: {exc}; the model is unchanged"
+    )
 
 
 def _decoder_layer_targets(
@@ -577,10 +581,7 @@ def _decoder_layer_targets(
         try:
             _require(layer, ("self_attn", "mlp", *(layer_spec.branch_dropouts or ())))
         except AttributeError as exc:
-            raise MemplanError(
-                f"{name} ({type(layer).__name__}) does not have the layout memplan's "
-                f"{spec.model_type} patch expects: {exc}; the model is unchanged"
-            ) from exc
+            raise _layout_error(name, layer, spec, exc) from exc
         if index + 1 < len(layers):
             following = layers[index + 1][1]
             next_norm = patched_norm(getattr(following, "input_layernorm", None))
