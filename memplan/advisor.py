@@ -20,7 +20,6 @@ from memplan.estimators.params import (
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
-    OPT_IN_KERNELS,
     Advice,
     Gpu,
     KernelOption,
@@ -93,7 +92,7 @@ def parse_kernels(value: str | Iterable[str] | None, spec: ModelSpec) -> tuple[s
 
 def best_kernel_set(supported: Iterable[str]) -> tuple[str, ...]:
     """Every supported kernel; FLCE replaces the plain cross-entropy kernel."""
-    chosen = set(supported) - set(OPT_IN_KERNELS)
+    chosen = set(supported)
     if "flce" in chosen:
         chosen.discard("cross_entropy")
     return tuple(k for k in KERNEL_NAMES if k in chosen)
@@ -295,7 +294,7 @@ def kernel_options(
     spec: ModelSpec, setup: TrainSetup, gpu: Gpu, supported: tuple[str, ...]
 ) -> list[KernelOption]:
     """Predicted peaks of: no kernels, each kernel alone, and the full set."""
-    singles = [(k,) for k in supported if k not in OPT_IN_KERNELS]
+    singles = [(k,) for k in supported]
     sets = [(), *singles, best_kernel_set(supported)]
     return [
         KernelOption(

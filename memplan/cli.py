@@ -64,7 +64,7 @@ def cli() -> None:
     default="auto",
     show_default=True,
     help="auto | none | all | comma list of rms_norm,layer_norm,rope,swiglu,geglu,"
-    "cross_entropy,flce (one loss kernel: cross_entropy or flce, not both)",
+    "cross_entropy,flce,embedding (one loss kernel: cross_entropy or flce, not both)",
 )
 @click.option(
     "--flce-chunk",

@@ -31,10 +31,6 @@ KERNEL_NAMES: tuple[str, ...] = (
     "flce",
     "embedding",
 )
-# Switched on only where named ("all", "auto" and memplan.apply's default leave them out): the
-# embedding kernel is 2.5-2.7x faster than torch's backward alone (benchmarks/probe_embedding.py)
-# but has no end-to-end measurement yet.
-OPT_IN_KERNELS: tuple[str, ...] = ("embedding",)
 
 GIB = 2**30
 

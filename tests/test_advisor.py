@@ -51,7 +51,7 @@ def test_peak_bytes_is_the_requested_setup() -> None:
 
 def test_auto_picks_the_lowest_peak_and_flce_over_cross_entropy() -> None:
     advice = advise("qwen2.5-1.5b", 4, 2048)
-    assert advice.plan.kernels == ("rms_norm", "rope", "swiglu", "flce")
+    assert advice.plan.kernels == ("rms_norm", "rope", "swiglu", "flce", "embedding")
     best = min(advice.kernel_options, key=lambda o: o.peak_bytes)
     assert best.kernels == advice.plan.kernels
     # The chunk is then raised into the headroom (larger GEMMs), never past it.
@@ -62,7 +62,7 @@ def test_kernel_parsing() -> None:
     gemma = resolve_model("gemma-2-2b")
     assert parse_kernels("auto", gemma) is None
     assert parse_kernels("none", gemma) == ()
-    assert parse_kernels("all", gemma) == ("rms_norm", "rope", "geglu", "flce")
+    assert parse_kernels("all", gemma) == ("rms_norm", "rope", "geglu", "flce", "embedding")
     assert parse_kernels("rms_norm,embedding", gemma) == ("rms_norm", "embedding")
     # The original Gemma's "gelu" (exact GELU in transformers 5.17) gets geglu's exact variant.
     assert "geglu" in supported_kernels(resolve_model("gemma-7b"))

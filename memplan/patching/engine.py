@@ -29,7 +29,6 @@ from memplan.schema import (
     GELU_APPROXIMATION,
     GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
-    OPT_IN_KERNELS,
     SETUP_OPTIONS,
     ModelSpec,
     Plan,
@@ -180,7 +179,7 @@ def apply(
             if k not in supported
         }
     else:
-        chosen = tuple(k for k in supported if k not in OPT_IN_KERNELS)
+        chosen = supported
     if flce_chunk is None and flce_memory_budget is None and resolved_plan is not None:
         flce_chunk = resolved_plan.flce_chunk
         flce_memory_budget = resolved_plan.flce_memory_budget

@@ -187,6 +187,7 @@ def test_auto_class_from_pretrained(tmp_path):
         "swiglu",
         "cross_entropy",
         "flce",
+        "embedding",
     )
 
 

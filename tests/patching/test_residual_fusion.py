@@ -139,8 +139,8 @@ def test_the_embedding_kernel_computes_a_patched_models_embedding_gradient(monke
 
     monkeypatch.setattr(embedding_kernels, "embedding_backward", counting)
     reference, patched = pair("llama", torch.float32, tie_word_embeddings=False)
-    assert "embedding" not in mp.apply(patched).kernels  # opt-in
-    applied = mp.apply(patched, kernels=("rms_norm", "rope", "swiglu", "flce", "embedding"))
+    applied = mp.apply(patched)
+    assert "embedding" in applied.kernels
     assert applied.modules["embedding"] == ("model.embed_tokens",)
     lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
     assert calls == [256]  # one backward, over the 256-row table
