@@ -31,8 +31,8 @@ from memplan.verify.runner import run_case  # noqa: E402
 # variant -> (liger, memplan kernels: "all" less the names after it, layer patch)
 VARIANTS = {
     "liger": (True, "none", "1"),
-    "memplan, torch's embedding": (False, "all -embedding", "1"),
-    "memplan, layers unpatched": (False, "all", "0"),
+    "memplan (torch embedding)": (False, "all -embedding", "1"),
+    "memplan (layers unpatched)": (False, "all", "0"),
     "memplan": (False, "all", "1"),
 }
 
