@@ -340,6 +340,9 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
     (eval, or no labels) the original forward runs unchanged."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    from memplan.kernels.fused_linear_cross_entropy import prefetch_targets
+    from memplan.patching.cache import StatelessCache, skips_packed_check
+
     signature = inspect.signature(original)
     var_keyword = next(
         (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
@@ -385,14 +388,23 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
                 output_router_logits = self.config.output_router_logits
             model_kwargs["output_router_logits"] = output_router_logits
 
-        outputs = getattr(self, spec.base_model_attr)(**model_kwargs)
-        hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
-
         ignore_index = kwargs.get("ignore_index", -100)
         shift_labels = kwargs.get("shift_labels")
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        target = shift_labels.reshape(-1).to(hidden.device)
+        target = shift_labels.reshape(-1)
+        head = self.lm_head
+        if kernels.flce is not None and plain_linear(head) and target.device == head.weight.device:
+            prefetch_targets(target, ignore_index, head.weight.shape[0])
+        base = getattr(self, spec.base_model_attr)
+        stateless = skips_packed_check(model_kwargs, base)
+        if stateless:
+            model_kwargs["past_key_values"] = StatelessCache(config=self.config)
+        outputs = base(**model_kwargs)
+        past_key_values = None if stateless else outputs.past_key_values
+        hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
+
+        target = target.to(hidden.device)
         softcap = self.config.final_logit_softcapping if spec.final_logit_softcapping else None
         loss = _loss(
             self.lm_head,
@@ -408,7 +420,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             result = CausalLMOutputWithPast(
                 loss=loss,
                 logits=None,
-                past_key_values=outputs.past_key_values,
+                past_key_values=past_key_values,
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
             )
@@ -427,7 +439,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
                 loss=loss,
                 aux_loss=aux_loss,
                 logits=None,
-                past_key_values=outputs.past_key_values,
+                past_key_values=past_key_values,
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
                 router_logits=outputs.router_logits,
