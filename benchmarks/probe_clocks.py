@@ -76,14 +76,7 @@ def child(case_json: Path, out_json: Path, steps: int) -> None:
     from memplan.schema import VerifyCase
     from memplan.verify import worker
 
-    case = VerifyCase.model_validate_json(case_json.read_text())
-    rec: dict[str, Any] = {}
-    worker._check_gpu(rec)
-    model, vocab = worker._build_model(case, rec)
-    trainer = worker._Trainer(case, model, vocab)
-    for _ in range(3):
-        trainer.step()
-    torch.cuda.synchronize()
+    trainer = worker.build_trainer(VerifyCase.model_validate_json(case_json.read_text()))
 
     def timed(n: int, sync_each: bool) -> list[float]:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]

@@ -40,14 +40,7 @@ def child(case_json: Path, trace_out: Path) -> None:
     from memplan.schema import VerifyCase
     from memplan.verify import worker
 
-    case = VerifyCase.model_validate_json(case_json.read_text())
-    rec: dict[str, Any] = {}
-    worker._check_gpu(rec)
-    model, vocab = worker._build_model(case, rec)
-    trainer = worker._Trainer(case, model, vocab)
-    for _ in range(3):
-        trainer.step()
-    torch.cuda.synchronize()
+    trainer = worker.build_trainer(VerifyCase.model_validate_json(case_json.read_text()))
     start = time.perf_counter()
     for _ in range(3):
         trainer.step()
@@ -73,10 +66,6 @@ def child(case_json: Path, trace_out: Path) -> None:
     with raw.open("rb") as src, gzip.open(trace_out, "wb") as dst:
         dst.write(src.read())
     raw.unlink()
-
-
-def _intervals(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events)
 
 
 def _enclosing(

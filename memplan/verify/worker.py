@@ -288,6 +288,21 @@ class _Trainer:
             mark("end")
 
 
+def build_trainer(case: VerifyCase) -> _Trainer:
+    """The case's model, optimizer and inputs as the protocol builds them, warmed up by 3 steps:
+    for probes that time or trace steps in a process of their own (benchmarks/probe_*.py)."""
+    import torch
+
+    rec: dict[str, Any] = {}
+    _check_gpu(rec)
+    model, vocab = _build_model(case, rec)
+    trainer = _Trainer(case, model, vocab)
+    for _ in range(3):
+        trainer.step()
+    torch.cuda.synchronize()
+    return trainer
+
+
 def _measure(case: VerifyCase, trainer: _Trainer, rec: dict[str, Any]) -> None:
     import torch
 

@@ -223,3 +223,11 @@ def test_fp16_steps_all_skipped_is_a_warning(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.amp, "GradScaler", real)
     m, code = worker.run(make_case(precision="amp-fp16"))
     assert code == protocol.EXIT_OK and "warnings" not in m.env
+
+
+def test_build_trainer_gives_a_warmed_up_protocol_step(fake_cuda):
+    trainer = worker.build_trainer(make_case())
+    assert trainer.opt.state  # 3 steps ran: AdamW holds its states
+    assert trainer.ids.shape == (2, 16)
+    trainer.step()
+    assert math.isfinite(trainer.loss.item())
