@@ -19,9 +19,11 @@ there are three schedules (kernel_contracts.flce_transient_bytes has their exact
   one fp32-accumulated GEMM) and lean (one chunk's logits), at the cost of a fourth GEMM.
 
 Chunks without any target (all ignore_index) skip their GEMMs; the two-pass dW GEMMs span only
-the rows from the first to the last chunk with targets. That costs one host sync per call (the
-per-chunk flags). 'none' computes only the losses in the forward; its backward runs the chosen
-schedule with each row's gradient scaled by its grad_output."""
+the rows from the first to the last chunk with targets. The host reads which rows have a target
+once per call: from a copy prefetch_targets issued earlier (the patched causal LM does at its
+forward's start), else with a synchronization at the call. 'none' computes only the losses in
+the forward; its backward runs the chosen schedule with each row's gradient scaled by its
+grad_output."""
 
 import dataclasses
 import weakref
@@ -187,8 +189,9 @@ def prefetch_targets(target: Tensor, ignore_index: int, vocab: int) -> None:
 
 
 def _chunks_with_targets(target: Tensor, ignore_index: int, chunk: int, vocab: int) -> list[bool]:
-    """Whether each chunk of rows has at least one target. A target outside the vocabulary is
-    an error (as in torch's cross entropy), checked in the same host sync."""
+    """Whether each chunk of rows has at least one target, from prefetch_targets' copy where it
+    still describes `target`, else copied now. A target outside the vocabulary is an error (as
+    in torch's cross entropy), read from the same copy."""
     ref, host = _PREFETCHED.get(id(target), (None, None))
     if (
         host is None
