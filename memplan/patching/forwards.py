@@ -407,7 +407,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
         target = target.to(hidden.device)
         softcap = self.config.final_logit_softcapping if spec.final_logit_softcapping else None
         loss = _loss(
-            self.lm_head,
+            head,
             hidden,
             target,
             kernels,
