@@ -30,6 +30,7 @@ from memplan.kernels._utils import (
     cdiv,
     check_floating,
     elementwise_launch_config,
+    empty_like_rows,
     first_order_only,
     load_fp32,
     may_write_over,
@@ -82,7 +83,7 @@ class GluOp:
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g2, u2 = as_rows(gate), as_rows(up)
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        out = empty_like_rows(gate)
         n_rows, n_cols = g2.shape
         if out.numel() == 0:  # no rows, or rows of 0 elements
             return out
@@ -121,9 +122,9 @@ class GluOp:
         same program."""
         do2, g2, u2 = as_rows(dout), as_rows(gate), as_rows(up)
         if dgate is None:
-            dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+            dgate = empty_like_rows(gate)
         if dup is None:
-            dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+            dup = empty_like_rows(up)
         dg2 = g2 if dgate is gate else as_rows(dgate)
         du2 = u2 if dup is up else as_rows(dup)
         n_rows, n_cols = g2.shape

@@ -25,6 +25,7 @@ from memplan.kernels._utils import (
     as_rows,
     cdiv,
     check_floating,
+    empty_like_rows,
     first_order_only,
     is_real_number,
     norm_backward_config,
@@ -171,7 +172,7 @@ def layer_norm_forward(
     """(y, mean, rstd): y like x, mean and rstd fp32 of shape x.shape[:-1]."""
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = empty_like_rows(x)
     mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if y.numel() == 0:  # no rows, or rows of 0 elements (as torch's layer_norm: empty output)
@@ -219,7 +220,7 @@ def layer_norm_backward(
     x2 = as_rows(x)
     dy2 = as_rows(dy)
     n_rows, n_cols = x2.shape
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = empty_like_rows(x)
     n_partials = int(compute_dw) + int(compute_db)
     if dx.numel() == 0:  # no rows, or rows of 0 elements
         return dx, x.new_zeros((n_partials, n_cols), dtype=sums_dtype)

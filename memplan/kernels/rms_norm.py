@@ -26,6 +26,7 @@ from memplan.kernels._utils import (
     as_rows,
     cdiv,
     check_floating,
+    empty_like_rows,
     first_order_only,
     load_fp32,
     norm_backward_config,
@@ -216,9 +217,9 @@ def _launch_forward(
     """(y, rstd, h): h = x + branch when a branch is given, y = norm(h if given else x)."""
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
-    y = torch.empty(x.shape, dtype=_output_dtype(x, weight, gemma), device=x.device)
+    y = empty_like_rows(x, _output_dtype(x, weight, gemma))
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    h = None if branch is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = None if branch is None else empty_like_rows(x)
     if y.numel() == 0:  # no rows, or rows of 0 elements (as torch's rms_norm: empty output)
         return y, rstd, h
     branch2 = x2 if branch is None else as_rows(branch)
@@ -290,7 +291,7 @@ def rms_norm_backward(
     dy2 = as_rows(dy)
     n_rows, n_cols = x2.shape
     if dx is None:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = empty_like_rows(x)
     dx2 = dx.view(n_rows, n_cols)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight) if compute_dw else None

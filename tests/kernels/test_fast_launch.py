@@ -11,7 +11,7 @@ from triton.runtime.jit import JITFunction
 
 from memplan.kernels import _launch
 from memplan.kernels import swiglu as S
-from memplan.kernels._launch import FastKernel, UnsupportedArgument, argument_key
+from memplan.kernels._launch import FastKernel, UnsupportedArgument, arguments_key
 
 try:
     from triton._C.libtriton import native_specialize_impl
@@ -44,20 +44,21 @@ def test_equal_keys_mean_equal_triton_specialization():
     args = _args_for_keys()
     backend = _backend()
     specs = [native_specialize_impl(backend, a, False, True, True) for a in args]
-    keys = [argument_key(a) for a in args]
+    keys = arguments_key(tuple(args))
     for i, a in enumerate(args):
         for j, b in enumerate(args):
             if keys[i] == keys[j]:
                 assert specs[i] == specs[j], (a, b, specs[i], specs[j])
     # and the key is not trivially coarse: ints 1 and 2 and tensors at other alignments differ
-    assert argument_key(1) != argument_key(2) and argument_key(16) != argument_key(17)
-    assert argument_key(args[0]) != argument_key(args[1])
+    one, two, sixteen, seventeen = arguments_key((1, 2, 16, 17))
+    assert one != two and sixteen != seventeen
+    assert keys[0] != keys[1]
 
 
 def test_unkeyed_arguments_are_refused():
     for value in (True, None, "x", (1, 2), torch.float32):
         with pytest.raises(UnsupportedArgument):
-            argument_key(value)
+            arguments_key((0, value))
 
 
 def _kernel_source(x_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
