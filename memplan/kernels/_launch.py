@@ -60,7 +60,7 @@ def version_checked(version: str = triton.__version__) -> bool:
 def arguments_key(args: tuple) -> list[tuple]:
     """What Triton's specialization of each runtime argument depends on, in order. Runs for every
     launch, so its checks stand in one loop rather than a call per argument: 2.8-3.9 against
-    3.1-5.6 us for the 13 arguments of an RMSNorm forward (five interleaved pairs on the
+    3.1-5.6 us for the 13 arguments of an RMSNorm forward (three interleaved pairs on the
     development CPU). Integers (strides, sizes) are the most common and are checked first."""
     key = []
     for arg in args:
