@@ -1,8 +1,8 @@
 """Probe: does the GLU backward gain from Inductor's memory layout? At the sizes where memplan's
-forward+backward reads 1.000-1.008 x torch.compile's (docs/bench_kernels.md, session 15), the
-backward is where memplan is behind (GeGLU 16384x8192: 0.312 against ~0.306 ms, its forward
-the faster one). Inductor's pointwise kernels are flat: one block of a contiguous tensor per
-program, int32 offsets, no mask when the block divides the element count.
+forward+backward reads 1.000-1.008 x torch.compile's (docs/bench_kernels.md, session 15;
+memplan's forward is the faster one). Inductor's pointwise kernels are flat: one block of a
+contiguous tensor per program, int32 offsets, no mask when the block divides the element count.
+With --ncu, each backward kernel runs once for Nsight Compute (run_once_for_ncu).
 
 GPU time alone (do_bench_cudagraph, median over interleaved rounds, us), bf16, in place over
 gate and up (as memplan.apply runs it): memplan's committed backward kernel (ROWS x BLOCK tiles,
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.testing import do_bench_cudagraph
@@ -90,12 +91,37 @@ def probe(op: str, rows: int, cols: int, rounds: int) -> dict[str, float]:
     return medians
 
 
+def run_once_for_ncu(op: str, rows: int, cols: int) -> None:
+    """memplan's backward kernel and torch.compile's forward+backward of act(gate) * up, each
+    run once after a warm-up, for Nsight Compute to read their counters:
+
+        ncu --clock-control none --kernel-name regex:"backward|triton_poi" \\
+            --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__bytes.sum \\
+            python benchmarks/probe_glu_backward.py --ncu geglu:16384x8192
+    """
+    torch.manual_seed(0)
+    gate = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 2
+    up, d_out = torch.randn_like(gate), torch.randn_like(gate)
+    act = (lambda g: F.silu(g)) if op == "swiglu" else (lambda g: F.gelu(g, approximate="tanh"))
+    compiled = torch.compile(lambda g, u: act(g) * u, dynamic=False)
+    g_leaf, u_leaf = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    for _ in range(2):  # the second call is the one to read: compiled and warm
+        BACKWARD[op](d_out, gate, up)
+        torch.autograd.grad(compiled(g_leaf, u_leaf), (g_leaf, u_leaf), d_out)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="geglu,swiglu")
     parser.add_argument("--sizes", default=",".join(f"{r}x{c}" for r, c in SIZES))
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--ncu", metavar="OP:ROWSxCOLS", help="run once for Nsight Compute")
     args = parser.parse_args()
+    if args.ncu:
+        op, size = args.ncu.split(":")
+        run_once_for_ncu(op, *(int(v) for v in size.split("x")))
+        return
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     with torch.cuda.stream(torch.cuda.Stream()):
         for op in args.ops.split(","):
