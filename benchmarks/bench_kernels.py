@@ -193,11 +193,16 @@ def measure_rounds(cases: dict[str, Case], rounds: int) -> dict[str, tuple[list,
     return times
 
 
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """The names in round `round_index`'s order: rotated by one more each round."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def rotations(names: list[str], rounds: int) -> Iterator[str]:
     """Every name once per round, the order rotated by one each round."""
     for r in range(rounds):
-        shift = r % len(names)
-        yield from names[shift:] + names[:shift]
+        yield from rotated(names, r)
 
 
 def peak_and_graphs(case: Case) -> tuple[float, float, float]:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from bench_kernels import rotations
+from probe_glu_roofline import _act
 from triton.testing import do_bench_cudagraph
 
 from memplan.kernels import geglu as G
@@ -43,11 +45,7 @@ def _flat_backward(do_ptr, g_ptr, u_ptr, n, BLOCK: tl.constexpr, GELU: tl.conste
     do = tl.load(do_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask).to(tl.float32)
-    if GELU:
-        act, slope = G._gelu_and_slope(g, False)
-    else:
-        sig = tl.sigmoid(g)
-        act, slope = g * sig, sig * (1.0 + g * (1.0 - sig))
+    act, slope = _act(g, GELU)
     tl.store(g_ptr + offs, (do * u * slope).to(g_ptr.dtype.element_ty), mask=mask)
     tl.store(u_ptr + offs, (do * act).to(u_ptr.dtype.element_ty), mask=mask)
 
@@ -82,11 +80,8 @@ def probe(op: str, rows: int, cols: int, rounds: int) -> dict[str, float]:
         impls[label] = partial(flat, d_out, g, u, op, block, warps)
 
     times: dict[str, list[float]] = {name: [] for name in impls}
-    names = list(impls)
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(us(impls[name]))
+    for name in rotations(list(impls), rounds):
+        times[name].append(us(impls[name]))
     medians = {name: statistics.median(t) for name, t in times.items()}
     return medians
 

@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import graph_ms
+from bench_kernels import graph_ms, rotated
 
 from memplan.kernels import geglu as G
 
@@ -104,9 +104,7 @@ def run(rows: int, cols: int, rounds: int, ncu: bool) -> None:
     fresh = [t.detach().clone() for t in inputs["out of place"]]
     drifted = fresh
     for r in range(rounds):
-        names = list(steps)
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(list(steps), r):
             times[name].append(us(steps[name]))
         drifted = [t.detach().clone() for t in inputs["in place"]]
         for label, (gate, up) in (("backward alone, fresh inputs", fresh),
