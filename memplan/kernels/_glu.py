@@ -55,6 +55,18 @@ def tile_of(pid, n_col_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def backward_tile(
+    n_col_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr, LAST_TILE_FIRST: tl.constexpr
+):
+    """`tile_of` for the backward kernels; with LAST_TILE_FIRST the programs take the tiles
+    from the last one down (GluOp.backward_last_tile_first says why)."""
+    pid = tl.program_id(0)
+    if LAST_TILE_FIRST:
+        pid = tl.num_programs(0) - 1 - pid
+    return tile_of(pid, n_col_blocks, ROWS, BLOCK)
+
+
+@triton.jit
 def load_tile(ptr, row_stride, rows, cols, mask):
     """A (ROWS x BLOCK) tile of a row-strided tensor, in fp32."""
     return load_fp32(ptr + rows * row_stride + cols, mask, False)
@@ -73,6 +85,13 @@ def _grid(n_rows: int, rows: int, n_col_blocks: int) -> tuple[int]:
 class GluOp:
     """One gated activation: `forward(gate, up)`, `backward(dout, gate, up)` and the fused,
     differentiable `__call__(gate, up, in_place_backward=...)`, registered as memplan::{name}."""
+
+    # The backward walks its tiles from the last one down, the reverse of the order in which the
+    # kernel before it wrote or read them: the forward in a forward+backward, or down_proj's
+    # d_product GEMM in a training step. That kernel's last tiles are still in the L2 (50 MB on
+    # an H100 or H200) when the backward starts, so its first reads hit there instead of HBM.
+    # benchmarks/probe_glu_order.py measures both orders.
+    backward_last_tile_first = True
 
     def __init__(self, name: str, forward_kernel, backward_kernel, **constants) -> None:
         self.name = name
@@ -153,6 +172,7 @@ class GluOp:
                 ROWS=rows,
                 BLOCK=block,
                 WRITE_PRODUCT=product is not None,
+                LAST_TILE_FIRST=self.backward_last_tile_first,
                 num_warps=num_warps,
                 **self.constants,
             )

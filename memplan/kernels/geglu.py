@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
-from memplan.kernels._glu import GatedMLP, GluOp, load_tile, store_tile, tile_of
+from memplan.kernels._glu import GatedMLP, GluOp, backward_tile, load_tile, store_tile, tile_of
 from memplan.kernels._launch import fast_launch
 
 APPROXIMATIONS = ("tanh", "none")
@@ -99,8 +99,9 @@ def _geglu_backward_kernel(
     BLOCK: tl.constexpr,
     WRITE_PRODUCT: tl.constexpr,
     EXACT: tl.constexpr,
+    LAST_TILE_FIRST: tl.constexpr,
 ):
-    rows, cols = tile_of(tl.program_id(0), n_col_blocks, ROWS, BLOCK)
+    rows, cols = backward_tile(n_col_blocks, ROWS, BLOCK, LAST_TILE_FIRST)
     mask = (rows < n_rows) & (cols < n_cols)
     do = load_tile(dout_ptr, dout_row_stride, rows, cols, mask)
     g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from memplan.kernels._glu import GatedMLP, GluOp, load_tile, store_tile, tile_of
+from memplan.kernels._glu import GatedMLP, GluOp, backward_tile, load_tile, store_tile, tile_of
 from memplan.kernels._launch import fast_launch
 
 
@@ -70,8 +70,9 @@ def _swiglu_backward_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     WRITE_PRODUCT: tl.constexpr,
+    LAST_TILE_FIRST: tl.constexpr,
 ):
-    rows, cols = tile_of(tl.program_id(0), n_col_blocks, ROWS, BLOCK)
+    rows, cols = backward_tile(n_col_blocks, ROWS, BLOCK, LAST_TILE_FIRST)
     mask = (rows < n_rows) & (cols < n_cols)
     do = load_tile(dout_ptr, dout_row_stride, rows, cols, mask)
     g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
