@@ -32,7 +32,6 @@ from memplan.kernels._utils import (
     elementwise_launch_config,
     empty_like_rows,
     first_order_only,
-    load_fp32,
     may_write_over,
     memory_overlaps,
     on_device,
@@ -55,27 +54,35 @@ def tile_of(pid, n_col_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def backward_tile(
-    n_col_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr, LAST_TILE_FIRST: tl.constexpr
-):
-    """`tile_of` for the backward kernels; with LAST_TILE_FIRST the programs take the tiles
-    from the last one down (GluOp.backward_last_tile_first says why)."""
-    pid = tl.program_id(0)
-    if LAST_TILE_FIRST:
-        pid = tl.num_programs(0) - 1 - pid
-    return tile_of(pid, n_col_blocks, ROWS, BLOCK)
-
-
-@triton.jit
-def load_tile(ptr, row_stride, rows, cols, mask):
-    """A (ROWS x BLOCK) tile of a row-strided tensor, in fp32."""
-    return load_fp32(ptr + rows * row_stride + cols, mask, False)
+def load_tile(ptr, row_stride, rows, cols, mask, EVICTION: tl.constexpr):
+    """A (ROWS x BLOCK) tile of a row-strided tensor, in fp32, loaded with the eviction policy
+    EVICTION (see the module's EVICTION)."""
+    value = tl.load(ptr + rows * row_stride + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
+    return value.to(tl.float32)
 
 
 @triton.jit
 def store_tile(ptr, row_stride, rows, cols, value, mask):
     """`value` into a (ROWS x BLOCK) tile of a row-strided tensor, in its dtype."""
     tl.store(ptr + rows * row_stride + cols, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+# The eviction policy ("" for the default) of the loads of each kernel: the forward's of gate and
+# up, the backward's of d_out and of gate and up. Triton lowers "evict_last" to L1::evict_last
+# with an L2::evict_last cache policy; the lines of the outputs, stored with the default policy,
+# then leave the L2 first. Measured on an H200 (benchmarks/probe_glu_eviction.py), evict_last on
+# every load against the default:
+# - forward+backward in place (bench_kernels.py's judged row), 16384 x 8192 to 65536 x 4096:
+#   0.990-0.995 x torch.compile's time, against 1.001-1.007;
+# - the backward alone after down_proj's d_product GEMM, as in training: 8192 x 14336 SwiGLU
+#   326.5 against 335.1 us, 8192 x 24576 GeGLU 559.7 against 576.1 us;
+# - Nsight Compute: the same DRAM bytes in that backward and in the GEMM after it (1.05-1.06 GB
+#   read, 1.18-1.19 ms): the sticky lines do not cost the next kernel its L2.
+EVICTION = {
+    "forward": "evict_last",
+    "backward_dout": "evict_last",
+    "backward_gate_up": "evict_last",
+}
 
 
 def _grid(n_rows: int, rows: int, n_col_blocks: int) -> tuple[int]:
@@ -85,13 +92,6 @@ def _grid(n_rows: int, rows: int, n_col_blocks: int) -> tuple[int]:
 class GluOp:
     """One gated activation: `forward(gate, up)`, `backward(dout, gate, up)` and the fused,
     differentiable `__call__(gate, up, in_place_backward=...)`, registered as memplan::{name}."""
-
-    # The backward walks its tiles from the last one down, the reverse of the order in which the
-    # kernel before it wrote or read them: the forward in a forward+backward, or down_proj's
-    # d_product GEMM in a training step. That kernel's last tiles are still in the L2 (50 MB on
-    # an H100 or H200) when the backward starts, so its first reads hit there instead of HBM.
-    # benchmarks/probe_glu_order.py measures both orders.
-    backward_last_tile_first = True
 
     def __init__(self, name: str, forward_kernel, backward_kernel, **constants) -> None:
         self.name = name
@@ -121,6 +121,7 @@ class GluOp:
                 n_col_blocks,
                 ROWS=rows,
                 BLOCK=block,
+                EVICTION=EVICTION["forward"],
                 num_warps=num_warps,
                 **self.constants,
             )
@@ -172,7 +173,8 @@ class GluOp:
                 ROWS=rows,
                 BLOCK=block,
                 WRITE_PRODUCT=product is not None,
-                LAST_TILE_FIRST=self.backward_last_tile_first,
+                DOUT_EVICTION=EVICTION["backward_dout"],
+                GATE_UP_EVICTION=EVICTION["backward_gate_up"],
                 num_warps=num_warps,
                 **self.constants,
             )

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
-from memplan.kernels._glu import GatedMLP, GluOp, backward_tile, load_tile, store_tile, tile_of
+from memplan.kernels._glu import GatedMLP, GluOp, load_tile, store_tile, tile_of
 from memplan.kernels._launch import fast_launch
 
 APPROXIMATIONS = ("tanh", "none")
@@ -66,12 +66,13 @@ def _geglu_forward_kernel(
     n_col_blocks,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    EVICTION: tl.constexpr,
     EXACT: tl.constexpr,
 ):
     rows, cols = tile_of(tl.program_id(0), n_col_blocks, ROWS, BLOCK)
     mask = (rows < n_rows) & (cols < n_cols)
-    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
-    u = load_tile(up_ptr, up_row_stride, rows, cols, mask)
+    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask, EVICTION)
+    u = load_tile(up_ptr, up_row_stride, rows, cols, mask, EVICTION)
     gelu, _ = _gelu_and_slope(g, EXACT)
     out = gelu * u
     store_tile(out_ptr, out_row_stride, rows, cols, out, mask)
@@ -98,14 +99,15 @@ def _geglu_backward_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     WRITE_PRODUCT: tl.constexpr,
+    DOUT_EVICTION: tl.constexpr,
+    GATE_UP_EVICTION: tl.constexpr,
     EXACT: tl.constexpr,
-    LAST_TILE_FIRST: tl.constexpr,
 ):
-    rows, cols = backward_tile(n_col_blocks, ROWS, BLOCK, LAST_TILE_FIRST)
+    rows, cols = tile_of(tl.program_id(0), n_col_blocks, ROWS, BLOCK)
     mask = (rows < n_rows) & (cols < n_cols)
-    do = load_tile(dout_ptr, dout_row_stride, rows, cols, mask)
-    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
-    u = load_tile(up_ptr, up_row_stride, rows, cols, mask)
+    do = load_tile(dout_ptr, dout_row_stride, rows, cols, mask, DOUT_EVICTION)
+    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask, GATE_UP_EVICTION)
+    u = load_tile(up_ptr, up_row_stride, rows, cols, mask, GATE_UP_EVICTION)
     gelu, d_gelu = _gelu_and_slope(g, EXACT)
     dg = do * u * d_gelu
     du = do * gelu

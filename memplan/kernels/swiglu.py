@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from memplan.kernels._glu import GatedMLP, GluOp, backward_tile, load_tile, store_tile, tile_of
+from memplan.kernels._glu import GatedMLP, GluOp, load_tile, store_tile, tile_of
 from memplan.kernels._launch import fast_launch
 
 
@@ -40,11 +40,12 @@ def _swiglu_forward_kernel(
     n_col_blocks,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    EVICTION: tl.constexpr,
 ):
     rows, cols = tile_of(tl.program_id(0), n_col_blocks, ROWS, BLOCK)
     mask = (rows < n_rows) & (cols < n_cols)
-    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
-    u = load_tile(up_ptr, up_row_stride, rows, cols, mask)
+    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask, EVICTION)
+    u = load_tile(up_ptr, up_row_stride, rows, cols, mask, EVICTION)
     out = g * tl.sigmoid(g) * u
     store_tile(out_ptr, out_row_stride, rows, cols, out, mask)
 
@@ -70,13 +71,14 @@ def _swiglu_backward_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     WRITE_PRODUCT: tl.constexpr,
-    LAST_TILE_FIRST: tl.constexpr,
+    DOUT_EVICTION: tl.constexpr,
+    GATE_UP_EVICTION: tl.constexpr,
 ):
-    rows, cols = backward_tile(n_col_blocks, ROWS, BLOCK, LAST_TILE_FIRST)
+    rows, cols = tile_of(tl.program_id(0), n_col_blocks, ROWS, BLOCK)
     mask = (rows < n_rows) & (cols < n_cols)
-    do = load_tile(dout_ptr, dout_row_stride, rows, cols, mask)
-    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask)
-    u = load_tile(up_ptr, up_row_stride, rows, cols, mask)
+    do = load_tile(dout_ptr, dout_row_stride, rows, cols, mask, DOUT_EVICTION)
+    g = load_tile(gate_ptr, gate_row_stride, rows, cols, mask, GATE_UP_EVICTION)
+    u = load_tile(up_ptr, up_row_stride, rows, cols, mask, GATE_UP_EVICTION)
     sig = tl.sigmoid(g)
     silu = g * sig
     dg = do * u * (sig * (1.0 + g * (1.0 - sig)))
