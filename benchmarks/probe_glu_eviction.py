@@ -46,16 +46,13 @@ SIZES = [("swiglu", (16384, 8192)), ("swiglu", (16384, 14336)), ("swiglu", (6553
 # (op, tokens, hidden, intermediate) of the training-step pair
 MLPS = [("swiglu", 8192, 4096, 14336), ("geglu", 8192, 3072, 24576)]
 BACKWARD = {"swiglu": mp_swiglu.swiglu_backward, "geglu": mp_geglu.geglu_backward}
-_EVICT_LAST = {"forward": "evict_last", "backward_dout": "evict_last",
-               "backward_gate_up": "evict_last"}  # fmt: skip
+_DEFAULT = {key: "" for key in mp_glu.EVICTION}
+# The committed policies (evict_last on every load since session 16), the default, and the first
+# step session 16 measured: evict_last on the backward's loads of gate and up alone.
 POLICIES = {
     "committed": dict(mp_glu.EVICTION),
-    "default policies": {key: "" for key in _EVICT_LAST},
-    "evict_last on gate and up in backward": {
-        **{key: "" for key in _EVICT_LAST},
-        "backward_gate_up": "evict_last",
-    },  # fmt: skip
-    "all evict_last": _EVICT_LAST,
+    "default policies": _DEFAULT,
+    "evict_last on gate and up in backward": {**_DEFAULT, "backward_gate_up": "evict_last"},
 }
 
 
