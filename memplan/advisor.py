@@ -23,6 +23,7 @@ from memplan.schema import (
     Advice,
     Gpu,
     KernelOption,
+    MemoryEstimate,
     ModelSpec,
     Plan,
     Suggestion,
@@ -102,6 +103,11 @@ def usable_bytes(gpu: Gpu) -> int:
     return int((gpu.memory_bytes - gpu.context_bytes) * ALLOCATOR_MARGIN)
 
 
+def fits(estimate: MemoryEstimate, gpu: Gpu) -> bool:
+    """Whether the estimated step runs on the GPU: the one verdict every decision here uses."""
+    return estimate.peak_bytes <= usable_bytes(gpu)
+
+
 def choose_flce(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> dict[str, int | None]:
     """FLCE's setting, fastest first (a setup update: flce_chunk or flce_memory_budget).
 
@@ -123,7 +129,7 @@ def choose_flce(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> dict[str, int |
             schedule="one_pass_fp32_acc",
         )
         fast = {"flce_chunk": None, "flce_memory_budget": budget}
-        if estimate(spec, setup.model_copy(update=fast), gpu).peak_bytes <= usable_bytes(gpu):
+        if fits(estimate(spec, setup.model_copy(update=fast), gpu), gpu):
             return fast
     return {"flce_chunk": choose_flce_chunk(spec, setup, gpu), "flce_memory_budget": None}
 
@@ -135,19 +141,18 @@ def choose_flce_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> int:
     tokens = setup.batch * setup.seq
     formula = kc.flce_default_chunk(tokens, spec.hidden_size, spec.vocab_size)
     top = max(formula, min(FLCE_CHUNK_CAP, 1 << max(0, (tokens - 1).bit_length())))
-    limit = usable_bytes(gpu)
 
-    def peak(chunk: int) -> int:
-        return estimate(spec, setup.model_copy(update={"flce_chunk": chunk}), gpu).peak_bytes
+    def fits_with(chunk: int) -> bool:
+        return fits(estimate(spec, setup.model_copy(update={"flce_chunk": chunk}), gpu), gpu)
 
     chunk = top
-    while chunk > formula and peak(chunk) > limit:
+    while chunk > formula and not fits_with(chunk):
         chunk //= 2
     smallest = chunk
-    while smallest > 64 and peak(smallest) > limit:
+    while smallest > 64 and not fits_with(smallest):
         smallest //= 2
     # Smaller chunks only help if they make the step fit.
-    return smallest if peak(smallest) <= limit else chunk
+    return smallest if fits_with(smallest) else chunk
 
 
 def largest_batch(
@@ -156,25 +161,24 @@ def largest_batch(
     """The largest batch that advise would say fits with these kernels, FLCE's setting chosen
     for each batch as advise chooses it (0 if not even batch 1; `ceiling` when that fits).
     The bisection ends on a batch that fits next to one that does not."""
-    limit = usable_bytes(gpu)
 
-    def fits(batch: int) -> bool:
+    def fits_at(batch: int) -> bool:
         trial = with_flce_choice(spec, setup.model_copy(update={"batch": batch}), gpu)
-        return estimate(spec, trial, gpu).peak_bytes <= limit
+        return fits(estimate(spec, trial, gpu), gpu)
 
-    if not fits(1):
+    if not fits_at(1):
         return 0
     low = 1
     while True:
         high = min(2 * low, ceiling)
         if high == low:
             return ceiling
-        if not fits(high):
+        if not fits_at(high):
             break
         low = high
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
+        low, high = (middle, high) if fits_at(middle) else (low, middle)
     return low
 
 
@@ -257,7 +261,6 @@ def advise(
     setup = with_flce_choice(spec, setup, gpu_spec)
     result = estimate(spec, setup, gpu_spec)
     limit = usable_bytes(gpu_spec)
-    fits = result.peak_bytes <= limit
     plan = Plan(
         kernels=chosen,
         flce_chunk=setup.flce_chunk,
@@ -279,11 +282,11 @@ def advise(
         peak_bytes=result.peak_bytes,
         estimate=result,
         plan=plan,
-        fits=fits,
+        fits=fits(result, gpu_spec),
         headroom_bytes=limit - result.peak_bytes,
         kernel_options=compared,
         suggestions=[]
-        if fits
+        if fits(result, gpu_spec)
         else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk),
         max_batch=max_batch,
         warnings=warnings,
@@ -325,7 +328,6 @@ def suggestions(
     trained: kernels, then micro-batching, then checkpointing, then LoRA. Each with its
     predicted peak (FLCE's setting chosen as advise chooses it, and the description says so
     when that replaces the user's `flce_chunk`); when nothing fits, the closest."""
-    limit = usable_bytes(gpu)
     kernels = best_kernel_set(supported)
     sequences = setup.batch * setup.grad_accum
     adapted = attention_lora_targets(spec)
@@ -356,7 +358,8 @@ def suggestions(
                 trial.model_copy(update={"batch": micro, "grad_accum": sequences // micro}),
                 gpu,
             )
-            peak = estimate(spec, candidate, gpu).peak_bytes
+            predicted = estimate(spec, candidate, gpu)
+            peak = predicted.peak_bytes
             text = (
                 description
                 if micro == setup.batch
@@ -367,7 +370,7 @@ def suggestions(
             if flce_chunk is not None and candidate.flce_chunk != flce_chunk:
                 text += f"; leave out --flce-chunk {flce_chunk} (memplan sets FLCE's chunk)"
             tried.append(Suggestion(description=text, setup=candidate, peak_bytes=peak))
-            if peak <= limit:
+            if fits(predicted, gpu):
                 found.append(tried[-1])
                 break
         if len(found) >= most:
