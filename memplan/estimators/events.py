@@ -1,0 +1,52 @@
+"""A training step as the caching allocator sees it: allocations and releases, in order, by size.
+
+The analytic walk (estimators/timeline.py) and the traced step (memplan/traced) both produce this
+stream; the allocator model (estimators/allocator.py) replays it to predict reserved memory and
+whether the step runs out of memory. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Action = Literal["alloc", "free"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One allocation (`nbytes` as requested, before the allocator rounds it) or the release of
+    the allocation that `tensor` names. `category` is the breakdown key (weights, gradients,
+    optimizer_states, activations, logits_and_loss, transient, ...); `phase` and `label` say
+    where in the step it happens (forward / "layer 3")."""
+
+    action: Action
+    tensor: int
+    nbytes: int
+    category: str
+    phase: str
+    label: str
+
+
+@dataclass
+class EventLog:
+    """Builds an event stream: `alloc` returns the id that `free` takes."""
+
+    events: list[Event] = field(default_factory=list)
+    _sizes: dict[int, tuple[int, str]] = field(default_factory=dict)
+    _next: int = 0
+
+    def alloc(self, nbytes: int, category: str, phase: str, label: str) -> int:
+        tensor = self._next
+        self._next += 1
+        self._sizes[tensor] = (nbytes, category)
+        self.events.append(Event("alloc", tensor, nbytes, category, phase, label))
+        return tensor
+
+    def free(self, tensor: int, phase: str, label: str) -> None:
+        nbytes, category = self._sizes.pop(tensor)
+        self.events.append(Event("free", tensor, nbytes, category, phase, label))
+
+    @property
+    def alive(self) -> dict[int, tuple[int, str]]:
+        """Allocations not yet released: id -> (bytes, category)."""
+        return dict(self._sizes)
