@@ -199,6 +199,7 @@ def advise(
     kernels: str | Iterable[str] | None = "auto",
     flce_chunk: int | None = None,
     trust_remote_code: bool = False,
+    expandable_segments: bool = False,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on. lora_targets
     defaults to default_lora_targets(spec) and must name linears of the architecture (a list,
@@ -233,6 +234,7 @@ def advise(
         lora_targets=targets,
         grad_accum=grad_accum,
         flce_chunk=flce_chunk,
+        expandable_segments=expandable_segments,
     )
     warnings = []
     entry = substituted_entry(model) if isinstance(model, str) else None

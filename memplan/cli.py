@@ -46,7 +46,9 @@ def cli() -> None:
     "--optimizer",
     default="adamw",
     show_default=True,
-    type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit", "adafactor"]),
+    type=click.Choice(
+        ["adamw", "adamw-fused", "adam", "sgd", "sgd-momentum", "adamw-8bit", "adafactor"]
+    ),
 )
 @click.option("--grad-checkpointing", is_flag=True, help="recompute each layer in backward")
 @click.option("--attn", default="sdpa", show_default=True, type=click.Choice(["sdpa", "eager"]))

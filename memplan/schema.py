@@ -18,7 +18,9 @@ from memplan.errors import UsageError
 
 Precision = Literal["bf16", "amp-bf16", "amp-fp16", "fp32"]
 Attention = Literal["sdpa", "eager"]
-Optimizer = Literal["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit", "adafactor"]
+Optimizer = Literal[
+    "adamw", "adamw-fused", "adam", "sgd", "sgd-momentum", "adamw-8bit", "adafactor"
+]
 
 # Canonical kernel names, in the order the advisor reports them.
 KERNEL_NAMES: tuple[str, ...] = (
@@ -130,6 +132,9 @@ class TrainSetup(BaseModel):
     # Bytes FLCE may hold beyond its outputs; it then picks its chunk and schedule itself
     # (kernel_contracts.flce_chunk_for_budget). Exclusive with flce_chunk.
     flce_memory_budget: int | None = Field(default=None, gt=0)
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator grows one mapped
+    # segment per pool instead of reserving a segment per large allocation.
+    expandable_segments: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSetup:
@@ -162,6 +167,7 @@ SETUP_OPTIONS = (
     "lora_rank",
     "lora_targets",
     "grad_accum",
+    "expandable_segments",
 )
 
 
@@ -249,6 +255,9 @@ class VerifyCase(BaseModel):
     mode: Literal["measure", "profile"] = "measure"
     # Record the allocator's history over one extra steady-state step after the measured ones.
     record_timeline: bool = False
+    # Record every allocator event from before the model is built to the end of the measured
+    # steps (Measurement.allocator_trace): the replay data of the allocator model's tests.
+    record_allocator_trace: bool = False
 
 
 class MemoryEvent(BaseModel):
@@ -309,6 +318,11 @@ class Measurement(BaseModel):
     profile: dict[str, ProfileTable] | None = None  # "without_patch", "with_patch"
     profile_error: str | None = None
     timeline_measured: list[MemoryEvent] | None = None
+    # GPU memory in use outside the caching allocator after the measured steps (CUDA context,
+    # loaded kernel modules, library handles): total - free - reserved, from cudaMemGetInfo.
+    non_allocator_bytes: int | None = None
+    # (action, address, size) of every allocator event, in order, when the case asked for it.
+    allocator_trace: list[tuple[str, int, int]] | None = Field(default=None, repr=False)
 
     @computed_field  # type: ignore[prop-decorator]
     @property

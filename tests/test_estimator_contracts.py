@@ -248,7 +248,7 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     held by the output until forward returns; not with checkpointing, nor under memplan's
     causal-LM forward. The estimator's cache bytes equal the cache the model returns."""
     import memplan
-    from memplan.estimators.timeline import step_sizes, walk_step
+    from memplan.estimators.timeline import step_sizes, walk_run
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
@@ -268,7 +268,7 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
         else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     )
     spec = spec_from_config(probe_config(model_type))
-    walk = walk_step(spec, setup, step_sizes(spec, setup, None, "cpu"), steady=True)
+    (_, walk), _ = walk_run(spec, setup, step_sizes(spec, setup, None, "cpu"))
     assert measured == max(snapshot.get("kv_cache", 0) for snapshot in walk.snapshots)
 
 
@@ -280,7 +280,7 @@ def test_checkpointed_lora_keeps_the_embedding_leaf_until_the_next_forward() -> 
     forward's end."""
     import gc
 
-    from memplan.estimators.timeline import step_sizes, walk_step
+    from memplan.estimators.timeline import step_sizes, walk_run
 
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -312,7 +312,7 @@ def test_checkpointed_lora_keeps_the_embedding_leaf_until_the_next_forward() -> 
         lora_targets=("q_proj",),
     )  # fmt: skip
     spec = spec_from_config(probe_config("llama"))
-    walk = walk_step(spec, setup, step_sizes(spec, setup, None, "cpu"), steady=True)
+    (_, walk), _ = walk_run(spec, setup, step_sizes(spec, setup, None, "cpu"))
     assert walk.snapshots[0]["embedding_leaf"] == measured
     assert walk.snapshots[-1]["embedding_leaf"] == measured
 

@@ -45,12 +45,22 @@ class Saved:
 
     per_token: dict[str, float] = field(default_factory=dict)
     constant: dict[str, int] = field(default_factory=dict)
+    # Each saved tensor, in the order the forward allocates them: (name, per token, constant).
+    tensors: list[tuple[str, float, int]] = field(default_factory=list)
 
     def add(self, name: str, per_token: float = 0.0, constant: int = 0) -> None:
+        """One saved tensor (per token bytes, or a constant size) under `name`."""
         if per_token:
             self.per_token[name] = self.per_token.get(name, 0.0) + per_token
+            self.tensors.append((name, per_token, 0))
         if constant:
             self.constant[name] = self.constant.get(name, 0) + constant
+            self.tensors.append((name, 0.0, constant))
+
+    def add_each(self, name: str, *per_token: float) -> None:
+        """Several saved tensors under one name."""
+        for nbytes in per_token:
+            self.add(name, nbytes)
 
     def bytes(self, tokens: int) -> int:
         return int(sum(self.per_token.values()) * tokens) + sum(self.constant.values())
@@ -111,17 +121,21 @@ def norm_saved(
         return
     w = width * rows_per_token
     if "rms_norm" in ctx.kernels:
-        out.add(name, w * p_in + FP32 * rows_per_token)
+        out.add_each(name, w * p_in, FP32 * rows_per_token)
     elif gemma:
         # x.float(), rsqrt, and x * rstd kept for (1 + w)'s gradient when w trains.
         normalized = FP32 * w if weight_trainable else 0
-        out.add(name, FP32 * w + FP32 * rows_per_token + normalized, constant=FP32 * int(width))
+        out.add_each(name, FP32 * w, FP32 * rows_per_token, normalized)
+        out.add(name, constant=FP32 * int(width))
     else:
         h_saved = p_in * w if weight_trainable else 0
-        out.add(name, FP32 * w + FP32 * rows_per_token + h_saved)
+        out.add_each(name, FP32 * w, FP32 * rows_per_token, h_saved)
     if consumers:
         copies = consumers if ctx.dtypes.autocast else 1
-        out.add(name + ".out", copies * ctx.dtypes.proj * w if ctx.dtypes.autocast else p_in * w)
+        if ctx.dtypes.autocast:
+            out.add_each(name + ".out", *[ctx.dtypes.proj * w] * copies)
+        else:
+            out.add(name + ".out", p_in * w)
 
 
 def attention_saved(ctx: LayerContext, out: Saved) -> None:
@@ -156,9 +170,9 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         # with grouped KV heads on CUDA: no fused kernel takes it) runs the same ops in fp32.
         q_grad, k_grad, v_grad = qkv_need_grad(ctx)
         scores_grad = q_grad or k_grad
-        out.add("attn.qkv", p * nh * hd * (k_grad + q_grad + scores_grad))
+        out.add_each("attn.qkv", *[p * nh * hd] * (k_grad + q_grad + scores_grad))
         cast_kept = v_grad and (p < FP32 or not scores_grad)
-        out.add("attn.probs", FP32 * nh * seq * scores_grad + p * nh * seq * cast_kept)
+        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p * nh * seq * cast_kept)
         if eager and spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
         if o_input_kept(ctx):
@@ -175,12 +189,13 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         # and k and v are saved as they are, unless autocast casts them to a full-size copy
         # (HF's RoPE leaves k in fp32 under autocast): CPU and H200 probes, gemma3 with kv = 1.
         views = kv == 1 and not (ctx.dtypes.autocast and "rope" not in ctx.kernels)
-        out.add("attn.qkv", p * nh * hd + 2 * p * (kv if views else nh) * hd)
+        kv_saved = p * (kv if views else nh) * hd
+        out.add_each("attn.qkv", p * nh * hd, kv_saved, kv_saved)
         out.add("attn.lse", FP32 * nh * (-(-seq // 32) * 32) / seq)
         if masked:
             out.add("attn.mask", p * seq)
     else:
-        out.add("attn.qkv", p * nh * hd + 2 * p * kv * hd)
+        out.add_each("attn.qkv", p * nh * hd, p * kv * hd, p * kv * hd)
         out.add("attn.lse", FP32 * nh)
     out.add("attn.out", p * nh * hd)
     hf_attention = "rope" not in ctx.kernels  # memplan's patched attention makes no copy
@@ -242,9 +257,11 @@ def mlp_saved(ctx: LayerContext, out: Saved) -> None:
     inter = spec.intermediate_size
     glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act)
     if glu in ctx.kernels:
-        out.add("mlp.gate_up", kc.glu_saved_bytes(1, inter, p))
+        out.add_each("mlp.gate_up", *[kc.glu_saved_bytes(1, inter, p) / 2] * 2)
     else:
-        out.add("mlp.gate_up", 2 * p * inter)  # gate for the activation, up for the product
+        out.add_each(
+            "mlp.gate_up", p * inter, p * inter
+        )  # gate for the activation, up for the product
         out.add("mlp.act", p * inter)
     # down_proj keeps its input for its weight's gradient: not when frozen (an adapter keeps its
     # own cast, counted with the adapters), nor when the GLU kernel runs a plain down_proj itself
@@ -266,15 +283,20 @@ def moe_saved(ctx: LayerContext, out: Saved) -> None:
         spec.hidden_size,
     )
     normalized = spec.hf_config.get("norm_topk_prob", spec.model_type == "mixtral")
-    out.add("moe.router", FP32 * e + INT64 * k + (FP32 + FP32 * k if normalized else 0))
+    out.add_each("moe.router", FP32 * e, INT64 * k, *((FP32, FP32 * k) if normalized else ()))
     # Each routed row keeps its routing weight (for the product that applies it): fp32 from
     # Mixtral's router softmax; qwen3_moe's router casts it to the router logits' dtype. And one
     # bool, the mask of expert-parallel sentinel rows that masked_fill keeps, on every backend.
     routing_weight = FP32 if spec.model_type == "mixtral" else ctx.dtypes.proj
-    routed_row = 2 * p * h + 4 * p * inter + 3 * INT64 + routing_weight + 1
-    if not ctx.trainable_base:
-        routed_row -= p * h + p * inter  # frozen expert matmuls keep neither input
-    out.add("moe.experts", k * routed_row, constant=4 * e)
+    # Per routed row: the gathered input (twice when the expert matmuls keep it for their
+    # weight's gradient), gate, up, act(gate) and the product (each moe_intermediate wide),
+    # three index rows, the routing weight and the mask bool; frozen expert matmuls keep
+    # neither input.
+    inputs = [p * h] * (2 if ctx.trainable_base else 1)
+    intermediates = [p * inter] * (4 if ctx.trainable_base else 3)
+    routed_row = [*inputs, *intermediates, INT64, INT64, INT64, routing_weight, 1]
+    out.add_each("moe.experts", *(k * n for n in routed_row))
+    out.add("moe.experts", constant=4 * e)
 
 
 def layer_saved(ctx: LayerContext) -> Saved:
@@ -356,17 +378,19 @@ def layer_saved(ctx: LayerContext) -> Saved:
             stage = LORA_TARGET_STAGE[target]
             input_bytes = 0 if shared_input and stage in inputs_saved else fan_in
             inputs_saved.add(stage)
-            out.add("lora", saved_dtype * (input_bytes + rank))
+            out.add_each("lora", saved_dtype * input_bytes, saved_dtype * rank)
             if d.autocast:
                 a_kept = ctx.needs_input_grad or first_stage_after(ctx.setup.lora_targets) <= stage
-                out.add("lora.weights", constant=d.proj * rank * (fan_in * a_kept + fan_out))
+                out.add("lora.weights", constant=d.proj * rank * fan_in * a_kept)
+                out.add("lora.weights", constant=d.proj * rank * fan_out)
     if d.autocast:
         # A low-precision copy of every matmul weight, saved by the matmul: the one autocast
         # caches for a trainable weight, or a frozen weight's own cast on each call (autocast
         # caches none), saved where the matmul's input needs a gradient (measured on an H200,
         # llama-3.2-1b amp-bf16 with LoRA on q and v).
         first = 0 if ctx.needs_input_grad else first_stage_after(ctx.setup.lora_targets)
-        out.add("autocast.weights", constant=d.proj * autocast_weight_params(spec, first))
+        for params in autocast_weight_tensors(spec, first):
+            out.add("autocast.weights", constant=d.proj * params)
     return out
 
 
@@ -401,11 +425,18 @@ def autocast_weight_params(spec: ModelSpec, first_stage: int = 0) -> int:
     """Weights of one layer that autocast copies to low precision for its matmuls, from
     first_stage on (LORA_TARGET_STAGE): attention and MLP weights, not biases. Of a MoE block
     only the router: the experts' grouped matmuls are not autocast ops (moe_saved)."""
-    h, hd = spec.hidden_size, spec.head_dim
+    return sum(autocast_weight_tensors(spec, first_stage))
+
+
+def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0) -> list[int]:
+    """The elements of each weight autocast_weight_params counts, one copy each."""
+    h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+    qkv = [h * (q_out + 2 * kv_out)] if spec.fused_qkv else [h * q_out, h * kv_out, h * kv_out]
     if spec.num_experts:
-        gate_up, down = h * spec.num_experts, 0
+        gate_up, down = [h * spec.num_experts], []
     else:
-        gate_up, down = 2 * h * spec.intermediate_size, h * spec.intermediate_size
-    stages = (h * q_out + 2 * h * kv_out, h * q_out, gate_up, down)
-    return sum(stages[first_stage:])
+        gate_up = [2 * h * inter] if spec.fused_gate_up else [h * inter, h * inter]
+        down = [h * inter]
+    stages = (qkv, [h * q_out], gate_up, down)
+    return [n for stage in stages[first_stage:] for n in stage]

@@ -46,7 +46,10 @@ class EventLog:
         nbytes, category = self._sizes.pop(tensor)
         self.events.append(Event("free", tensor, nbytes, category, phase, label))
 
-    @property
-    def alive(self) -> dict[int, tuple[int, str]]:
-        """Allocations not yet released: id -> (bytes, category)."""
-        return dict(self._sizes)
+    def retag(self, tensor: int, category: str) -> None:
+        """Count a live allocation under another category from now on."""
+        self._sizes[tensor] = (self._sizes[tensor][0], category)
+
+    def size_of(self, tensor: int) -> tuple[int, str]:
+        """(bytes, category) of an allocation not yet released."""
+        return self._sizes[tensor]

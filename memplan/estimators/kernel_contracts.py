@@ -141,6 +141,52 @@ def flce_transient_bytes(
     raise ValueError(f"unknown FLCE schedule {schedule!r}")
 
 
+def flce_allocations(
+    rows: int,
+    hidden: int,
+    vocab: int,
+    dtype_bytes: int,
+    chunk: int,
+    weight_requires_grad: bool = True,
+    *,
+    budget_bytes: int | None = None,
+    min_accumulated_chunk: int = 1024,
+) -> list[tuple[str, str, int]]:
+    """FLCE's forward as the allocator sees it (mean reduction, no bias): ("alloc", name, bytes)
+    and ("free", name, 0) in order. dx and dw are its saved outputs (flce_saved_bytes); the
+    rest are the transient buffers whose peak is flce_transient_bytes."""
+    if rows <= 0:
+        return []
+    chunk = max(1, min(chunk, rows))
+    schedule = flce_schedule(
+        rows,
+        hidden,
+        vocab,
+        dtype_bytes,
+        chunk,
+        weight_requires_grad=weight_requires_grad,
+        budget_bytes=budget_bytes,
+        min_accumulated_chunk=min_accumulated_chunk,
+    )
+    dw = vocab * hidden * dtype_bytes if weight_requires_grad else 0
+    steps = [("alloc", "dx", rows * hidden * dtype_bytes)]
+    if schedule != "one_pass_fp32_acc":
+        steps.append(("alloc", "dw", dw))
+    steps += [("alloc", "loss_rows", chunk * FP32), ("alloc", "z_rows", chunk * FP32)]
+    if schedule == "two_pass":
+        steps.append(("alloc", "logits", max(chunk * vocab, rows) * dtype_bytes))
+        steps.append(("alloc", "lse_rows", rows * FP32))
+        steps += [("free", "logits", 0), ("free", "lse_rows", 0)]
+    elif schedule == "one_pass_fp32_acc":
+        steps.append(("alloc", "logits", chunk * vocab * dtype_bytes))
+        steps.append(("alloc", "acc", vocab * hidden * FP32))
+        steps += [("free", "logits", 0), ("alloc", "dw", dw), ("free", "acc", 0)]
+    else:
+        steps += [("alloc", "logits", chunk * vocab * dtype_bytes), ("free", "logits", 0)]
+    steps += [("free", "loss_rows", 0), ("free", "z_rows", 0)]
+    return [step for step in steps if step[0] == "free" or step[2] > 0]
+
+
 def flce_schedule(
     rows: int,
     hidden: int,

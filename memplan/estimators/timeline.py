@@ -7,6 +7,7 @@ with the cuBLAS workspace of the autograd thread, which step 1's backward create
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from memplan.estimators import kernel_contracts as kc
@@ -14,6 +15,7 @@ from memplan.estimators.contracts import (
     AFTER_ATTENTION,
     FP32,
     INT64,
+    LORA_TARGET_STAGE,
     DtypePlan,
     LayerContext,
     Saved,
@@ -24,7 +26,15 @@ from memplan.estimators.contracts import (
     norm_saved,
     sdpa_math_path,
 )
-from memplan.estimators.params import ParamCounts, count_params, lora_params, lora_shapes
+from memplan.estimators.events import EventLog
+from memplan.estimators.param_tensors import param_tensors
+from memplan.estimators.params import (
+    ParamCounts,
+    count_params,
+    lora_params,
+    lora_shapes,
+    lora_targets_modelled,
+)
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     Gpu,
@@ -42,6 +52,7 @@ MIB = 2**20
 # parameters) and steps one tensor at a time: its temporary is the largest tensor's estimate.
 OPTIMIZER_STATES: dict[str, tuple[float, float]] = {
     "adamw": (2, 1),
+    "adamw-fused": (2, 0),
     "adam": (2, 1),
     "sgd": (0, 0),
     "sgd-momentum": (1, 0),
@@ -91,18 +102,38 @@ def layer_contexts(
 class ForwardSaved:
     """What the forward leaves saved for backward, in bytes, by where it was saved."""
 
-    layers: list[int]
+    # Per layer, the allocations saved before and after attention (the norms and MLP after
+    # attention: backward frees those before it reaches attention).
+    layer_entries: list[tuple[list[int], list[int]]]
     final_norm: int
-    # Of each layer's bytes, what the norms and MLP after attention saved: backward frees it
-    # before it reaches attention.
-    layers_after_attention: list[int]
     embedding: int
     shared: int  # rotary cos/sin, shared by every layer
     loss: int
 
     @property
+    def layers(self) -> list[int]:
+        return [sum(before) + sum(after) for before, after in self.layer_entries]
+
+    @property
+    def layers_after_attention(self) -> list[int]:
+        return [sum(after) for _, after in self.layer_entries]
+
+    @property
     def total(self) -> int:
         return sum(self.layers) + self.final_norm + self.embedding + self.shared + self.loss
+
+
+def saved_allocations(
+    saved: Saved, tokens: int, prefixes: tuple[str, ...], matching: bool = True
+) -> list[int]:
+    """The bytes of each tensor of `saved` whose name starts (`matching`) or does not start with
+    one of `prefixes`, in the order the forward saved them."""
+    sizes = (
+        int(per_token * tokens) + constant
+        for name, per_token, constant in saved.tensors
+        if name.startswith(prefixes) == matching
+    )
+    return [n for n in sizes if n > 0]
 
 
 def forward_saved(
@@ -114,15 +145,14 @@ def forward_saved(
     blocks = round_block if rounded else int
     lora = bool(setup.lora_rank)
     contexts = layer_contexts(spec, setup, dtypes, backend)
-    by_kind: dict[tuple[bool, bool], tuple[int, int]] = {}  # layers differ only in these flags
+    by_kind: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}  # layers differ in these
     for ctx in contexts:
         kind = (ctx.sliding, ctx.needs_input_grad)
         if kind not in by_kind:
             saved = layer_saved(ctx)
-            after = saved.bytes_of(tokens, AFTER_ATTENTION)
-            by_kind[kind] = (blocks(saved.bytes(tokens)), blocks(after) if after else 0)
-    layers = [by_kind[(ctx.sliding, ctx.needs_input_grad)][0] for ctx in contexts]
-    after_attention = [by_kind[(ctx.sliding, ctx.needs_input_grad)][1] for ctx in contexts]
+            before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
+            after = saved_allocations(saved, tokens, AFTER_ATTENTION)
+            by_kind[kind] = ([blocks(n) for n in before], [blocks(n) for n in after])
     final = Saved()
     norm_saved(
         contexts[-1],
@@ -141,8 +171,7 @@ def forward_saved(
     if gemma_norms(spec) and not lora:
         embedding += blocks(dtypes.residual)  # the sqrt(hidden) normalizer, a 0-d tensor
     return ForwardSaved(
-        layers=layers,
-        layers_after_attention=after_attention,
+        layer_entries=[by_kind[(ctx.sliding, ctx.needs_input_grad)] for ctx in contexts],
         final_norm=blocks(final.bytes(tokens)),
         embedding=embedding,
         shared=shared,
@@ -151,54 +180,45 @@ def forward_saved(
 
 
 def loss_saved_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> int:
+    return sum(loss_saved_entries(spec, setup, dtypes))
+
+
+def loss_saved_entries(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> list[int]:
+    """What the loss saves for backward, one allocation each, in the order they are made."""
     tokens = setup.batch * setup.seq
     logits = tokens * spec.vocab_size
     kernels = set(setup.kernels)
     if "flce" in kernels:
-        return kc.flce_saved_bytes(
-            tokens, spec.hidden_size, spec.vocab_size, dtypes.proj, not setup.lora_rank
-        )
+        dx = kc.flce_saved_bytes(tokens, spec.hidden_size, spec.vocab_size, dtypes.proj, False)
+        dw = spec.vocab_size * spec.hidden_size * dtypes.proj if not setup.lora_rank else 0
+        return [n for n in (dx, dw) if n]
     # Under autocast the lm_head matmul keeps its low-precision weight copy.
     lm_head_copy = spec.vocab_size * spec.hidden_size * dtypes.proj if dtypes.autocast else 0
     if "cross_entropy" in kernels:
-        return logits * dtypes.proj + lm_head_copy  # the gradient, in place of the logits
+        return [n for n in (lm_head_copy, logits * dtypes.proj) if n]  # the logits' gradient
     softcap = logits * dtypes.proj if spec.final_logit_softcapping else 0
     # log_softmax's output, the targets, nll_loss's total weight.
-    return logits * FP32 + tokens * INT64 + FP32 + softcap + lm_head_copy
+    return [n for n in (lm_head_copy, softcap, tokens * INT64, logits * FP32, FP32) if n]
 
 
 @dataclass
 class Walk:
-    """Allocated bytes by category as the step advances; `mark` records a timeline point with
-    an optional transient on top."""
+    """One step's timeline: allocated bytes by category at each marked point. A transient of a
+    point is allocated just before it and freed just after, so it counts in that point only."""
 
-    alive: dict[str, int] = field(default_factory=dict)
     points: list[tuple[str, str, int]] = field(default_factory=list)
-    transients: list[tuple[str, int]] = field(default_factory=list)
     snapshots: list[dict[str, int]] = field(default_factory=list)
-
-    def add(self, category: str, nbytes: int) -> None:
-        self.alive[category] = self.alive.get(category, 0) + nbytes
-
-    @property
-    def allocated(self) -> int:
-        return sum(self.alive.values())
-
-    def mark(self, phase: str, label: str, transient: int = 0, what: str = "transient") -> None:
-        self.points.append((phase, label, self.allocated + transient))
-        self.transients.append((what, transient))
-        self.snapshots.append(dict(self.alive))
 
     @property
     def peak_index(self) -> int:
         return max(range(len(self.points)), key=lambda i: self.points[i][2])
 
+    @property
+    def peak(self) -> int:
+        return self.points[self.peak_index][2]
+
     def breakdown(self, index: int) -> dict[str, int]:
-        alive = {k: v for k, v in self.snapshots[index].items() if v}
-        what, transient = self.transients[index]
-        if transient:
-            alive[what] = alive.get(what, 0) + transient
-        return alive
+        return {k: v for k, v in self.snapshots[index].items() if v}
 
     def timeline(self) -> list[TimelinePoint]:
         return [
@@ -207,32 +227,115 @@ class Walk:
         ]
 
 
+class StepBuilder:
+    """Writes a run's allocations and frees to an EventLog and keeps, for the step being walked,
+    the allocated bytes by category (each allocation rounded as the allocator rounds it) at
+    every marked point."""
+
+    def __init__(self) -> None:
+        self.log = EventLog()
+        self.alive: dict[str, int] = {}
+        self.walk = Walk()
+        self.phase, self.label = "start", "build"
+
+    def begin_step(self) -> Walk:
+        self.walk = Walk()
+        return self.walk
+
+    def alloc(self, category: str, nbytes: int) -> int | None:
+        """An allocation of `nbytes` (None for nothing)."""
+        if nbytes <= 0:
+            return None
+        self.alive[category] = self.alive.get(category, 0) + round_block(nbytes)
+        return self.log.alloc(int(nbytes), category, self.phase, self.label)
+
+    def alloc_all(self, category: str, sizes: Iterable[int]) -> list[int]:
+        return [t for t in (self.alloc(category, n) for n in sizes) if t is not None]
+
+    def free(self, tensor: int | None) -> None:
+        if tensor is None:
+            return
+        nbytes, category = self.log.size_of(tensor)
+        self.alive[category] -= round_block(nbytes)
+        self.log.free(tensor, self.phase, self.label)
+
+    def free_all(self, tensors: Iterable[int | None]) -> None:
+        for tensor in list(tensors):
+            self.free(tensor)
+
+    def retag(self, tensor: int, category: str) -> int:
+        """Count a live allocation under another category (a saved output handed on as a
+        gradient)."""
+        nbytes, old = self.log.size_of(tensor)
+        self.alive[old] -= round_block(nbytes)
+        self.alive[category] = self.alive.get(category, 0) + round_block(nbytes)
+        self.log.retag(tensor, category)
+        return tensor
+
+    def at(self, phase: str, label: str) -> None:
+        self.phase, self.label = phase, label
+
+    def mark(
+        self, phase: str, label: str, transient: Iterable[int] = (), what: str = "transient"
+    ) -> None:
+        """Record a point of the timeline with `transient` allocations alive at it."""
+        self.at(phase, label)
+        held = self.alloc_all(what, transient)
+        allocated = sum(self.alive.values())
+        self.walk.points.append((phase, label, allocated))
+        self.walk.snapshots.append(dict(self.alive))
+        self.free_all(reversed(held))
+
+
 @dataclass(frozen=True)
 class StepSizes:
-    """Every byte count the walk needs, computed once."""
+    """Every byte count the walk needs, computed once; lists are one allocation per entry."""
 
     counts: ParamCounts
     param_bytes: int
-    weights: int
     trainable: int
-    trainable_bytes: int
-    states: int
-    step_temp: int
+    # Per trainable tensor, the optimizer states it gets at the first step.
+    state_tensors: list[list[int]]
+    step_temp_tensors: list[int]
     workspace: int
     saved: ForwardSaved
+    loss_entries: list[int]
     residual: int
     logits_p: int
     logits_fp32: int
     grad_hidden: int
     lm_head_grad: int
-    layer_grad: int
-    layer_fwd_transient: int
+    layer_fwd_transient: list[int]
     kv_cache_per_layer: int
     autocast_cache: int
-    mlp_bwd_transient: int
-    attention_bwd_transient: int
-    flce_transient: int
-    flce_grads_to_fp32: int
+    mlp_bwd_transient: list[int]
+    attention_bwd_transient: list[int]
+    flce_autocast_copies: list[int]
+    flce_steps: list[tuple[str, str, int]]
+    flce_grads_to_fp32: list[int]
+
+    @property
+    def states(self) -> int:
+        return sum(round_block(n) for tensor in self.state_tensors for n in tensor)
+
+
+def optimizer_tensors(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan
+) -> tuple[list[list[int]], list[int]]:
+    """Per trainable tensor the bytes of its optimizer states, and the step's temporaries alive
+    at once: torch's foreach AdamW keeps one sqrt(exp_avg_sq) per tensor, the fused one none,
+    Adafactor (one tensor at a time) the largest tensor's estimate."""
+    lora = bool(setup.lora_rank)
+    element = FP32 if lora else dtypes.param
+    tensors = trainable_tensors(spec, setup)
+    if setup.optimizer in QUANTIZED_STATE_BYTES:
+        per_element, _ = QUANTIZED_STATE_BYTES[setup.optimizer]
+        return [[int(n * per_element)] for n in tensors], []
+    state_elems, temp_elems = OPTIMIZER_STATES[setup.optimizer]
+    states = [[n * element] * int(state_elems) for n in tensors]
+    if setup.optimizer in PER_TENSOR_STEP:
+        return states, [largest_trainable_tensor(spec, setup) * element]
+    return states, [n * element for n in tensors] if temp_elems else []
 
 
 def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str) -> StepSizes:
@@ -240,16 +343,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     counts = count_params(spec)
     lora = bool(setup.lora_rank)
     n_lora = lora_params(spec, setup)
-    trainable = n_lora if lora else counts.total
-    trainable_bytes = n_lora * FP32 if lora else counts.total * dtypes.param
-    if setup.optimizer in QUANTIZED_STATE_BYTES:
-        per_element, temp_per_element = QUANTIZED_STATE_BYTES[setup.optimizer]
-        state_bytes, temp_bytes = trainable * per_element, trainable * temp_per_element
-    else:
-        state_elems, temp_elems = OPTIMIZER_STATES[setup.optimizer]
-        state_bytes, temp_bytes = state_elems * trainable_bytes, temp_elems * trainable_bytes
-        if setup.optimizer in PER_TENSOR_STEP:
-            temp_bytes = largest_trainable_tensor(spec, setup) * (FP32 if lora else dtypes.param)
+    states, step_temp = optimizer_tensors(spec, setup, dtypes)
     tokens = setup.batch * setup.seq
     h, p = spec.hidden_size, dtypes.proj
     nh, kv, hd = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
@@ -269,29 +363,25 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     else:
         chunk = setup.flce_chunk or kc.flce_default_chunk(tokens, h, spec.vocab_size)
     # Under autocast FLCE casts the fp32 hidden states and lm_head weight to bf16 copies.
-    autocast_copies = (
-        round_block(tokens * h * p) + round_block(spec.vocab_size * h * p) if dtypes.autocast else 0
-    )
+    autocast_copies = [tokens * h * p, spec.vocab_size * h * p] if dtypes.autocast else []
+    scores = attention_scores_backward_bytes(spec, setup, dtypes, backend)
+    flash = p * (nh + 2 * kv) * hd + FP32 * nh * hd
     return StepSizes(
         counts=counts,
         param_bytes=dtypes.param,
-        weights=counts.total * dtypes.param + n_lora * FP32,
-        trainable=trainable,
-        trainable_bytes=trainable_bytes,
-        states=int(state_bytes),
-        step_temp=int(temp_bytes),
+        trainable=n_lora if lora else counts.total,
+        state_tensors=states,
+        step_temp_tensors=step_temp,
         workspace=cublas_workspace_bytes(gpu),
         saved=forward_saved(spec, setup, backend),
+        loss_entries=loss_saved_entries(spec, setup, dtypes),
         residual=round_block(tokens * h * dtypes.residual),
         logits_p=round_block(tokens * spec.vocab_size * p),
         logits_fp32=round_block(tokens * spec.vocab_size * FP32),
         grad_hidden=round_block(tokens * h * p),
         lm_head_grad=0 if lora else round_block(spec.vocab_size * h * dtypes.param),
-        layer_grad=(n_lora // spec.num_hidden_layers) * FP32
-        if lora
-        else counts.per_layer * dtypes.param,
         # Raw q, k, v before RoPE and its rotate_half temporaries, plus the residual pair.
-        layer_fwd_transient=round_block(tokens * (3 * p * nh * hd + 2 * dtypes.residual * h)),
+        layer_fwd_transient=[tokens * p * nh * hd] * 3 + [tokens * dtypes.residual * h] * 2,
         # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
         # saved by its matmul, counted with the loss).
         autocast_cache=round_block(
@@ -307,28 +397,20 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         # MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
         # (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
         # d(product) when the projections are separate).
-        mlp_bwd_transient=round_block(
-            tokens * ((1 if glu_in_place else 3) * p * inter + 2 * p * h)
-        ),
+        mlp_bwd_transient=[tokens * p * inter] * (1 if glu_in_place else 3) + [tokens * p * h] * 2,
         # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
         # gradients where attention materializes scores.
-        attention_bwd_transient=round_block(
-            tokens
-            * max(
-                p * (nh + 2 * kv) * hd + FP32 * nh * hd,
-                attention_scores_backward_bytes(spec, setup, dtypes, backend),
-            )
-        ),
-        flce_transient=kc.flce_transient_bytes(
+        attention_bwd_transient=[tokens * scores]
+        if scores > flash
+        else [tokens * p * nh * hd, tokens * p * kv * hd, tokens * p * kv * hd]
+        + [tokens * FP32 * nh * hd],
+        flce_autocast_copies=autocast_copies,
+        flce_steps=kc.flce_allocations(
             tokens, h, spec.vocab_size, p, chunk, not lora, budget_bytes=budget
-        )
-        + autocast_copies,
-        flce_grads_to_fp32=(
-            round_block(tokens * h * FP32)
-            + (0 if lora else round_block(spec.vocab_size * h * FP32))
-            if autocast_copies
-            else 0
         ),
+        flce_grads_to_fp32=[tokens * h * FP32] + ([] if lora else [spec.vocab_size * h * FP32])
+        if autocast_copies
+        else [],
     )
 
 
@@ -369,169 +451,320 @@ def attention_scores_backward_bytes(
     return spec.num_attention_heads * setup.seq * per_score
 
 
+@dataclass
+class RunTensors:
+    """The allocations that outlive one step: weights, gradients, optimizer states, the cuBLAS
+    workspaces and the embedding leaf of checkpointed LoRA."""
+
+    weights: list[int] = field(default_factory=list)
+    states: list[int] = field(default_factory=list)
+    gradients: list[int] = field(default_factory=list)
+    workspaces: list[int] = field(default_factory=list)
+    embedding_leaf: list[int] = field(default_factory=list)
+
+
+def trainable_tensors(spec: ModelSpec, setup: TrainSetup) -> list[int]:
+    """Elements of each trainable tensor, in model.parameters() order: the adapters' A and B
+    of each adapted linear of each layer under LoRA, else every parameter."""
+    if setup.lora_rank:
+        per_layer = [
+            n
+            for fan_in, fan_out in lora_shapes(spec, setup)
+            for n in (setup.lora_rank * fan_in, fan_out * setup.lora_rank)
+        ]
+        return per_layer * spec.num_hidden_layers
+    return param_tensors(spec).in_order(spec.num_hidden_layers)
+
+
+def build(builder: StepBuilder, spec: ModelSpec, setup: TrainSetup, sizes: StepSizes) -> RunTensors:
+    """The model as the protocol builds it: every weight in registration order, then the LoRA
+    adapters (fp32) that peft adds."""
+    run = RunTensors()
+    builder.at("start", "model build")
+    elements = param_tensors(spec).in_order(spec.num_hidden_layers)
+    run.weights = builder.alloc_all("weights", (n * sizes.param_bytes for n in elements))
+    if setup.lora_rank:
+        adapters = trainable_tensors(spec, setup)
+        run.weights += builder.alloc_all("weights", (n * FP32 for n in adapters))
+    return run
+
+
+@dataclass(frozen=True)
+class LayerGradients:
+    """Bytes of the gradients one layer's backward writes, by the part whose backward writes
+    them (each part's in reverse registration order)."""
+
+    mlp: list[int]
+    attention: list[int]
+    norms: list[int]
+
+
+def layer_gradients(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes) -> LayerGradients:
+    if setup.lora_rank:
+        adapters = [
+            (target, n * FP32)
+            for target, (fan_in, fan_out) in zip(
+                lora_targets_modelled(spec, setup), lora_shapes(spec, setup)
+            )
+            for n in (fan_out * setup.lora_rank, setup.lora_rank * fan_in)
+        ]
+        mlp = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] >= 2]
+        attention = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] < 2]
+        return LayerGradients(mlp=mlp, attention=attention, norms=[])
+    tensors = param_tensors(spec)
+    return LayerGradients(
+        mlp=[n * sizes.param_bytes for n in reversed(tensors.mlp)],
+        attention=[n * sizes.param_bytes for n in reversed(tensors.attention)],
+        norms=[n * sizes.param_bytes for n in reversed(tensors.norms)],
+    )
+
+
 def walk_step(
-    spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady: bool, accumulating: bool = False
+    builder: StepBuilder,
+    run: RunTensors,
+    spec: ModelSpec,
+    setup: TrainSetup,
+    sizes: StepSizes,
+    steady: bool,
+    accumulating: bool = False,
 ) -> Walk:
-    """One micro-step's forward and backward (and the optimizer step after it). `accumulating`:
-    a later micro-step of gradient accumulation, which starts with every gradient alive; each
-    new gradient is then added into the one there (in place) and freed, instead of kept."""
+    """One micro-step's forward and backward. `accumulating`: a later micro-step of gradient
+    accumulation, which starts with every gradient alive; each new gradient is then added into
+    the one there (in place) and freed, instead of kept."""
     kernels = set(setup.kernels)
     saved = sizes.saved
     ckpt = setup.grad_checkpointing
-    walk = Walk()
-    walk.add("weights", sizes.weights)
-    walk.add("optimizer_states", sizes.states if steady else 0)
-    # Forward thread's cuBLAS workspace, and in a steady step the autograd thread's too.
-    walk.add("cublas_workspace", sizes.workspace * (2 if steady else 1))
-    embedding_grad = (
-        0 if setup.lora_rank else round_block(sizes.counts.embedding * sizes.param_bytes)
-    )
-    final_norm_grad = (
-        0 if setup.lora_rank else round_block(sizes.counts.final_norm * sizes.param_bytes)
-    )
+    lora = bool(setup.lora_rank)
+    walk = builder.begin_step()
+    builder.at("start", "step start")
+    if not run.workspaces:  # the forward thread's cuBLAS workspace, at its first matmul
+        run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
+    embedding_grad = 0 if lora else round_block(sizes.counts.embedding * sizes.param_bytes)
+    final_norm_grad = 0 if lora else round_block(sizes.counts.final_norm * sizes.param_bytes)
 
     def keep_gradient(nbytes: int) -> None:
-        if not accumulating:
-            walk.add("gradients", nbytes)
+        tensor = builder.alloc("gradients", nbytes)
+        if accumulating:
+            builder.free(tensor)  # added into the gradient already there
+        elif tensor is not None:
+            run.gradients.append(tensor)
 
-    if accumulating:
-        tied_embedding = embedding_grad if not spec.tie_word_embeddings else 0
-        walk.add(
-            "gradients",
-            sizes.lm_head_grad
-            + len(saved.layers) * sizes.layer_grad
-            + tied_embedding
-            + final_norm_grad,
-        )
-    # Under checkpointing peft makes the frozen embedding's output a leaf that requires grad:
-    # the step's graph keeps it and, after backward, its gradient, for as long as the caller
-    # keeps the loss, i.e. until the next step's forward returns.
-    embedding_leaf = 2 * sizes.residual if ckpt and setup.lora_rank else 0
-    walk.add("embedding_leaf", embedding_leaf if steady or accumulating else 0)
-    walk.mark("start", "weights + optimizer states")
+    builder.mark("start", "weights + optimizer states")
     # Under checkpointing nothing saves the low-precision copies autocast caches of trainable
     # weights, but the cache holds them until the forward's autocast region ends.
-    walk.add("autocast_cache", sizes.autocast_cache if ckpt else 0)
+    autocast_cache = builder.alloc("autocast_cache", sizes.autocast_cache if ckpt else 0)
 
     hf_loss = "flce" not in kernels and "cross_entropy" not in kernels
     # transformers builds a KV cache in training too, unless checkpointing turns it off or
     # memplan's causal-LM forward (patched with a loss kernel) does: a copy of every layer's k
     # and v, held by the model output until forward returns.
     cache_per_layer = sizes.kv_cache_per_layer if hf_loss and not ckpt and spec.use_cache else 0
-    walk.add("activations", saved.shared + saved.embedding)
-    for index, layer_bytes in enumerate(saved.layers):
-        recomputed_later = layer_bytes if ckpt else 0
-        walk.add("kv_cache", cache_per_layer)
-        walk.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
-        walk.add("activations", sizes.residual if ckpt else layer_bytes)
-    walk.add("activations", saved.final_norm)
-    walk.mark("forward", "final norm", sizes.residual)
+    forward_kept = builder.alloc_all("activations", (saved.shared, saved.embedding))
+    kv_cache: list[int] = []
+    layer_kept: list[list[int]] = []
+    for index, (before, after) in enumerate(saved.layer_entries):
+        entries = before + after
+        recomputed_later = entries if ckpt else []
+        kv_cache += builder.alloc_all("kv_cache", (cache_per_layer // 2, cache_per_layer // 2))
+        builder.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
+        layer_kept.append(builder.alloc_all("activations", [sizes.residual] if ckpt else entries))
+    final_norm = builder.alloc("activations", saved.final_norm)
+    builder.mark("forward", "final norm", [sizes.residual])
 
     upcast = sizes.logits_fp32 if sizes.logits_p < sizes.logits_fp32 else 0
     # The final norm's output, the loss's input, is alive until forward returns; it counts here
     # where nothing saved it: FLCE, a frozen lm_head (LoRA), or autocast (lm_head saves a copy).
-    unsaved = "flce" in kernels or bool(setup.lora_rank) or DtypePlan.of(setup.precision).autocast
-    norm_out = sizes.residual if unsaved else 0
+    unsaved = "flce" in kernels or lora or DtypePlan.of(setup.precision).autocast
+    norm_out = builder.alloc("activations", sizes.residual if unsaved else 0)
     if "flce" in kernels:
-        walk.mark(
-            "loss",
-            "fused linear cross entropy",
-            norm_out + saved.loss + sizes.flce_transient,
-            "logits_and_loss",
-        )
+        builder.at("loss", "fused linear cross entropy")
+        copies = builder.alloc_all("logits_and_loss", sizes.flce_autocast_copies)
+        loss_saved = play_flce(builder, sizes.flce_steps)
+        builder.free_all(copies)
     elif "cross_entropy" in kernels:
-        walk.mark("loss", "logits + cross-entropy kernel", norm_out + saved.loss, "logits_and_loss")
+        builder.at("loss", "logits + cross-entropy kernel")
+        loss_saved = builder.alloc_all("logits_and_loss", sizes.loss_entries)
+        builder.mark("loss", "logits + cross-entropy kernel")
     else:
-        # lm_head output (held by the model output until forward returns), its fp32 upcast
-        # and log_softmax's output (part of saved.loss).
-        walk.mark(
-            "loss",
-            "logits, fp32 upcast, log_softmax",
-            norm_out + sizes.logits_p + upcast + saved.loss,
-            "logits_and_loss",
-        )
-    walk.add("logits_and_loss", saved.loss)
-    walk.alive["kv_cache"] = walk.alive["autocast_cache"] = walk.alive["embedding_leaf"] = 0
-    walk.mark("forward", "end of forward")
+        # lm_head output (held by the model output until forward returns), its fp32 upcast,
+        # then log_softmax's output and the shifted targets (saved.loss); the upcast is freed
+        # once log_softmax has run.
+        builder.at("loss", "logits, fp32 upcast, log_softmax")
+        logits = builder.alloc("logits_and_loss", sizes.logits_p)
+        upcast_tensor = builder.alloc("logits_and_loss", upcast)
+        loss_saved = builder.alloc_all("logits_and_loss", sizes.loss_entries)
+        builder.mark("loss", "logits, fp32 upcast, log_softmax")
+        builder.free(upcast_tensor)
+        builder.free(logits)
+    builder.free(norm_out)
+    builder.free_all(kv_cache)
+    builder.free(autocast_cache)
+    if not accumulating:  # the previous step's graph, held by its loss until this forward ends
+        builder.free_all(run.embedding_leaf)
+        run.embedding_leaf = []
+    builder.mark("forward", "end of forward")
 
     if hf_loss:
         # nll_loss backward writes a dense fp32 gradient; log_softmax backward another.
-        walk.mark("backward", "loss backward", 2 * sizes.logits_fp32, "logits_and_loss")
-        walk.add("logits_and_loss", -saved.loss)
+        builder.at("backward", "loss backward")
+        nll_grad = builder.alloc("logits_and_loss", sizes.logits_fp32)
+        softmax_grad = builder.alloc("logits_and_loss", sizes.logits_fp32)
+        builder.mark("backward", "loss backward")
+        builder.free(nll_grad)
+        builder.free_all(loss_saved)
         to_model_dtype = sizes.logits_p if upcast else 0
-        walk.mark(
-            "backward", "logits gradient", sizes.logits_fp32 + to_model_dtype, "logits_and_loss"
-        )
-        walk.add("logits_and_loss", to_model_dtype or sizes.logits_fp32)
+        builder.at("backward", "logits gradient")
+        logits_grad = builder.alloc("logits_and_loss", to_model_dtype)
+        builder.mark("backward", "logits gradient")
+        if logits_grad is not None:
+            builder.free(softmax_grad)
+        else:
+            logits_grad = softmax_grad
         if spec.final_logit_softcapping:
-            walk.mark("backward", "softcap backward", 2 * sizes.logits_p, "logits_and_loss")
-    if "flce" in kernels and sizes.flce_grads_to_fp32:
-        walk.mark("backward", "FLCE gradients cast to fp32", sizes.flce_grads_to_fp32)
-    if "flce" not in kernels:
-        walk.mark("backward", "lm_head backward", sizes.grad_hidden + sizes.lm_head_grad)
-    # FLCE computed dX and dW in its forward; backward hands them on.
-    walk.alive["logits_and_loss"] = 0
-    keep_gradient(sizes.lm_head_grad)
-    walk.add("transient", sizes.grad_hidden)
-    walk.add("activations", -saved.final_norm)
+            builder.mark(
+                "backward", "softcap backward", [sizes.logits_p, sizes.logits_p], "logits_and_loss"
+            )
+        loss_saved = [logits_grad]
+    builder.at("backward", "lm_head backward")
+    if "flce" in kernels and not sizes.flce_grads_to_fp32:
+        # FLCE computed dX and dW in its forward; backward hands them on as they are.
+        grad_hidden = builder.retag(loss_saved[0], "transient")
+        if len(loss_saved) > 1:
+            if accumulating:
+                builder.free(loss_saved[1])  # added into the gradient already there
+            else:
+                run.gradients.append(builder.retag(loss_saved[1], "gradients"))
+    else:
+        if "flce" in kernels:  # under autocast dX and dW are cast to the fp32 inputs' dtype
+            builder.mark("backward", "FLCE gradients cast to fp32", sizes.flce_grads_to_fp32)
+        keep_gradient(sizes.lm_head_grad)
+        grad_hidden = builder.alloc("transient", sizes.grad_hidden)
+        builder.mark("backward", "lm_head backward")
+        builder.free_all(loss_saved)
+    builder.free(final_norm)
 
-    for index in reversed(range(len(saved.layers))):
-        recompute = saved.layers[index] if ckpt else 0
-        # The MLP's backward runs first; by attention's, what the layer saved after attention
-        # is freed.
-        transient = max(
-            sizes.mlp_bwd_transient,
-            sizes.attention_bwd_transient - saved.layers_after_attention[index],
-        )
-        walk.mark("backward", f"layer {index} backward", recompute + transient)
-        walk.add("activations", -(sizes.residual if ckpt else saved.layers[index]))
-        keep_gradient(sizes.layer_grad)
-    walk.alive["activations"] = 0
-    walk.alive["transient"] = 0
-    walk.add("embedding_leaf", embedding_leaf)
-    if not setup.lora_rank:
+    if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
+        run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
+    gradients = layer_gradients(spec, setup, sizes)
+    for index in reversed(range(len(saved.layer_entries))):
+        label = f"layer {index} backward"
+        before, after = saved.layer_entries[index]
+        checkpoint_input: list[int] = []
+        if ckpt:  # the recomputed forward's saved tensors, alive through the layer's backward
+            builder.at("backward", label)
+            checkpoint_input = layer_kept[index]
+            layer_kept[index] = builder.alloc_all("transient", before + after)
+        # The MLP's backward runs first, writing its weights' gradients among its temporaries;
+        # by attention's, what the layer saved after attention is freed.
+        n_before = len(layer_kept[index]) - len(after)
+        for part, transient, kept in (
+            (gradients.mlp, sizes.mlp_bwd_transient, layer_kept[index][n_before:]),
+            (gradients.attention, sizes.attention_bwd_transient, layer_kept[index][:n_before]),
+        ):
+            builder.at("backward", label)
+            held = builder.alloc_all("transient", transient)
+            for nbytes in part:
+                keep_gradient(nbytes)
+            builder.mark("backward", label)
+            builder.free_all(held)
+            builder.free_all(kept)
+        for nbytes in gradients.norms:
+            keep_gradient(nbytes)
+        builder.free_all(checkpoint_input)
+    builder.free_all(forward_kept)
+    builder.free(grad_hidden)
+    if ckpt and lora:
+        # peft makes the frozen embedding's output a leaf that requires grad: the step's graph
+        # keeps it and, after backward, its gradient, until the next step's forward returns.
+        run.embedding_leaf += builder.alloc_all("embedding_leaf", [sizes.residual] * 2)
+    if not lora:
+        builder.at("backward", "embedding backward")
         if spec.tie_word_embeddings:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
             # (no FLCE) plus the embedding's make a third tensor, their sum; FLCE's dW is summed
             # in place. Measured on an H200 (qwen2.5-1.5b, batch 1 x 256, SGD with momentum and
             # Adafactor, whose peak falls here): one more vocab x hidden gradient without FLCE.
             copies = 1 if "flce" in kernels else 2
-            walk.mark("backward", "embedding backward", copies * embedding_grad)
+            builder.mark("backward", "embedding backward", [embedding_grad] * copies)
         elif accumulating:
             # The embedding backward's dense gradient, until it is added into the one there.
-            walk.mark("backward", "embedding backward", embedding_grad)
+            builder.mark("backward", "embedding backward", [embedding_grad])
         else:
-            walk.add("gradients", embedding_grad)
+            keep_gradient(embedding_grad)
         keep_gradient(final_norm_grad)
-    walk.mark("backward", "end of backward")
-    walk.alive["optimizer_states"] = sizes.states
-    walk.mark("optimizer", "optimizer step", sizes.step_temp)
+    builder.mark("backward", "end of backward")
     return walk
 
 
-def _peak(walk: Walk) -> int:
-    return walk.points[walk.peak_index][2]
+def play_flce(builder: StepBuilder, steps: list[tuple[str, str, int]]) -> list[int]:
+    """FLCE's forward allocations (kernel_contracts.flce_allocations), marked at their peak;
+    returns what it saves (dX, dW)."""
+    alive: dict[str, int] = {}
+    totals = []
+    for action, name, nbytes in steps:
+        alive[name] = nbytes if action == "alloc" else 0
+        totals.append(sum(alive.values()))
+    peak = max(range(len(totals)), key=totals.__getitem__)
+    held: dict[str, int | None] = {}
+    for index, (action, name, nbytes) in enumerate(steps):
+        if action == "alloc":
+            held[name] = builder.alloc("logits_and_loss", nbytes)
+        else:
+            builder.free(held.pop(name))
+        if index == peak:
+            builder.mark("loss", "fused linear cross entropy")
+    return [t for t in held.values() if t is not None]
+
+
+def optimizer_step(
+    builder: StepBuilder, run: RunTensors, spec: ModelSpec, setup: TrainSetup, sizes: StepSizes
+) -> None:
+    """The optimizer step (states created at the first: per tensor, in parameter order) and
+    zero_grad(set_to_none=True)."""
+    builder.at("optimizer", "optimizer step")
+    if not run.states:
+        run.states = builder.alloc_all(
+            "optimizer_states", (n for nbytes in sizes.state_tensors for n in nbytes)
+        )
+    builder.mark("optimizer", "optimizer step", sizes.step_temp_tensors)
+    builder.at("optimizer", "zero_grad")
+    builder.free_all(run.gradients)
+    run.gradients = []
 
 
 def estimate_step(
     spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None = None, backend: str = "cuda"
 ) -> MemoryEstimate:
     sizes = step_sizes(spec, setup, gpu, backend)
-    first = walk_step(spec, setup, sizes, steady=False)
-    steady = walk_step(spec, setup, sizes, steady=True)
-    if setup.grad_accum > 1:
-        # The step's peak is that of its first micro-step or of a later one, whichever is higher.
-        first = max(first, walk_step(spec, setup, sizes, False, accumulating=True), key=_peak)
-        steady = max(steady, walk_step(spec, setup, sizes, True, accumulating=True), key=_peak)
-    peak_index = steady.peak_index
-    phase, label, peak_bytes = steady.points[peak_index]
+    walks, _ = walk_run(spec, setup, sizes)
+    first, steady = walks
+    phase, label, peak_bytes = steady.points[steady.peak_index]
     return MemoryEstimate(
         peak_bytes=peak_bytes,
-        peak_step1_bytes=first.points[first.peak_index][2],
+        peak_step1_bytes=first.peak,
         peak_phase=phase,
         peak_label=label,
-        breakdown=steady.breakdown(peak_index),
+        breakdown=steady.breakdown(steady.peak_index),
         params=sizes.counts.total + (sizes.trainable if setup.lora_rank else 0),
         trainable_params=sizes.trainable,
         timeline=steady.timeline(),
     )
+
+
+def walk_run(
+    spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady_steps: int = 2
+) -> tuple[tuple[Walk, Walk], EventLog]:
+    """The protocol's run: the model build, step 1 (no optimizer states yet) and steady steps.
+    Returns the walks of step 1 and of the last steady step (each the higher of its first and
+    later micro-steps under gradient accumulation) and the run's event stream."""
+    builder = StepBuilder()
+    run = build(builder, spec, setup, sizes)
+    walks: list[Walk] = []
+    for step in range(1 + steady_steps):
+        steady = step > 0
+        micro = [walk_step(builder, run, spec, setup, sizes, steady)]
+        if setup.grad_accum > 1:
+            micro.append(walk_step(builder, run, spec, setup, sizes, steady, accumulating=True))
+        optimizer_step(builder, run, spec, setup, sizes)
+        walks.append(max(micro, key=lambda w: w.peak))
+    return (walks[0], walks[-1]), builder.log

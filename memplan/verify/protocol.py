@@ -41,6 +41,8 @@ def case_name(model: str, setup: TrainSetup, *, liger: bool = False) -> str:
         parts.append(f"lora{setup.lora_rank}-{'+'.join(setup.lora_targets)}")
     if setup.grad_accum > 1:
         parts.append(f"acc{setup.grad_accum}")
+    if setup.expandable_segments:
+        parts.append("expandable")
     if liger:
         parts.append("liger")
     elif setup.kernels:

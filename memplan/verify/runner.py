@@ -16,6 +16,7 @@ from memplan.verify import protocol
 from memplan.verify.predict import attach_prediction
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def launch(
@@ -34,8 +35,12 @@ def launch(
     )
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(case: VerifyCase) -> dict[str, str]:
     env = dict(os.environ)
+    # The allocator setting is part of the case: the prediction models exactly this one.
+    env.pop(ALLOC_CONF_ENV, None)
+    if case.setup.expandable_segments:
+        env[ALLOC_CONF_ENV] = "expandable_segments:True"
     # The child imports the same memplan as the parent, installed or not.
     paths = [_PACKAGE_ROOT, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
@@ -73,7 +78,7 @@ def _run_child(
         argv = [python or sys.executable, "-m", "memplan.verify.worker", str(case_path)]
         argv.append(str(out_path))
         try:
-            proc = launch(argv, env=_child_env(), timeout_s=timeout_s)
+            proc = launch(argv, env=_child_env(case), timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
             return _crashed(case, f"the worker did not finish within {timeout_s:g} s"), ""
         stderr = proc.stderr or ""

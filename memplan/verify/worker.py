@@ -201,6 +201,8 @@ def _make_optimizer(params: list[Any], name: str) -> Any:
     lr = protocol.LEARNING_RATE
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     if name == "sgd":
@@ -320,6 +322,8 @@ def _measure(case: VerifyCase, trainer: _Trainer, rec: dict[str, Any]) -> None:
     rec["peak_bytes"] = torch.cuda.max_memory_allocated()
     rec["reserved_bytes"] = torch.cuda.max_memory_reserved()
     rec["end_allocated_bytes"] = torch.cuda.memory_allocated()
+    free, total = torch.cuda.mem_get_info()
+    rec["non_allocator_bytes"] = total - free - torch.cuda.memory_reserved()
     rec["step_s"] = elapsed / (case.steps - 1)
     rec["tokens_per_s"] = setup.batch * setup.seq * setup.grad_accum / rec["step_s"]
     rec["loss"] = float(trainer.loss.item())
@@ -375,6 +379,36 @@ def _record_timeline(trainer: _Trainer) -> list[dict[str, Any]]:
     events = events_from_trace(trace, baseline_bytes=baseline, phases=names)
     kept = downsample([e for e in events if e.phase != "end"], max_points=1500)
     return [e.model_dump() for e in kept]
+
+
+_TRACE_ACTIONS = (
+    "alloc",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "oom",
+)
+
+
+def _start_allocator_trace() -> None:
+    import torch
+
+    torch.cuda.memory._record_memory_history(
+        enabled="all", context=None, stacks="python", max_entries=10_000_000
+    )
+
+
+def _stop_allocator_trace() -> list[tuple[str, int, int]]:
+    """Every allocation, completed free and segment change since _start_allocator_trace."""
+    import torch
+
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    return [(e["action"], e["addr"], e["size"]) for e in trace if e["action"] in _TRACE_ACTIONS]
 
 
 def _profile(case: VerifyCase, trainer: _Trainer, rec: dict[str, Any], top: int = 40) -> None:
@@ -444,6 +478,8 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
     code = protocol.EXIT_OK
     try:
         _check_gpu(rec)
+        if case.record_allocator_trace:
+            _start_allocator_trace()
         try:
             rec["oom_phase"] = "the model build"
             model, vocab = _build_model(case, rec)
@@ -475,6 +511,8 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
         rec.update(status="error", error_kind=failure.kind, error=str(failure))
         code = failure.exit_code
     rec.pop("oom_phase", None)
+    if case.record_allocator_trace and code in (protocol.EXIT_OK, protocol.EXIT_OOM):
+        rec["allocator_trace"] = _stop_allocator_trace()
     return Measurement.model_validate(rec), code
 
 

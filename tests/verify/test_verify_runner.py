@@ -120,8 +120,15 @@ def test_profile_runs_two_more_processes(monkeypatch, fake_estimator):
 
 def test_child_environment_finds_this_memplan(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    env = runner._child_env()
+    env = runner._child_env(make_case())
     assert env["PYTHONPATH"].split(":")[:2] == [runner._PACKAGE_ROOT, "/elsewhere"]
+
+
+def test_child_environment_sets_the_cases_allocator_setting(monkeypatch):
+    monkeypatch.setenv(runner.ALLOC_CONF_ENV, "max_split_size_mb:128")
+    assert runner.ALLOC_CONF_ENV not in runner._child_env(make_case())
+    expandable = make_case(expandable_segments=True)
+    assert runner._child_env(expandable)[runner.ALLOC_CONF_ENV] == "expandable_segments:True"
 
 
 def test_prediction_is_for_the_gpu_measured_not_the_gpu_option(monkeypatch):
