@@ -169,6 +169,8 @@ def advised_plan(spec: ModelSpec, setup: TrainSetup, kernels: str, gpu: Gpu | No
     from memplan.advisor import advise
 
     options = {name: getattr(setup, name) for name in SETUP_OPTIONS}
+    if not setup.lora_rank:
+        options.pop("lora_targets")  # TrainSetup's default, meaningless without a rank
     return advise(spec, batch=setup.batch, seq=setup.seq, kernels=kernels, gpu=gpu, **options).plan
 
 
