@@ -271,7 +271,7 @@ def advise(
     options = kernel_options(spec, base, gpu_spec, supported)
     chosen = requested if requested is not None else recommend(options)
     if flce_chunk is not None and "flce" not in chosen:
-        warnings.append(f"flce_chunk {flce_chunk} is unused: the plan leaves flce out")
+        warnings.append(f"the FLCE chunk {flce_chunk} is unused: the plan leaves flce out")
     setup = base.model_copy(
         update={"kernels": chosen, "flce_chunk": flce_chunk if "flce" in chosen else None}
     )
@@ -409,7 +409,7 @@ def suggestions(
             if micro != setup.batch:
                 parts.append(f"micro-batch {micro} x {sequences // micro} accumulation steps")
             if flce_chunk is not None and candidate.flce_chunk != flce_chunk:
-                parts.append(f"leave out --flce-chunk {flce_chunk} (memplan sets FLCE's chunk)")
+                parts.append(f"memplan's FLCE setting instead of your chunk of {flce_chunk} rows")
             if not parts:
                 continue  # the setup as it is: it does not fit
             predicted = estimate(spec, candidate, gpu)

@@ -18,7 +18,7 @@ def console():
     exits 1 when the reader closes stdout; memplan exits 0 (_reader_left)."""
     from rich.console import Console
 
-    out = Console(width=None if sys.stdout.isatty() else 120)
+    out = Console(width=None if sys.stdout.isatty() else 100)
     out.on_broken_pipe = _reader_left  # type: ignore[method-assign]
     return out
 

@@ -256,10 +256,10 @@ def _max_batch_line(advice: Advice) -> str | None:
     return "Largest batch that fits with these kernels: none, not even batch 1."
 
 
-def legend_lines(advice: Advice, verbose: bool = False) -> list[str]:
-    """One line per term the output uses."""
+def legend_lines(advice: Advice, verbose: bool = False) -> list[tuple[str, str]]:
+    """(term, meaning) for each term the output uses."""
     setup = advice.setup
-    terms = [f"{setup.precision}: {PRECISION_TERMS[setup.precision]}"]
+    terms = [(setup.precision, PRECISION_TERMS[setup.precision])]
     shown = set(advice.plan.kernels)
     for s in advice.suggestions:
         shown |= set(s.setup.kernels)
@@ -267,16 +267,31 @@ def legend_lines(advice: Advice, verbose: bool = False) -> list[str]:
         shown |= {k for o in advice.kernel_options for k in o.kernels}
     if "flce" in shown:
         terms.append(
-            "flce: fused linear cross entropy, the lm_head and the loss computed together in "
-            "chunks of rows, so the logits of the whole batch never exist"
+            (
+                "flce",
+                "fused linear cross entropy: lm_head and loss computed in chunks of rows, so "
+                "the whole batch's logits never exist",
+            )
         )
     if "transient" in advice.estimate.breakdown:
-        terms.append("transient: the temporaries of the op running at the peak")
+        terms.append(("transient", "the temporaries of the op running at the peak"))
     terms.append(
-        "allocated: what torch.cuda.max_memory_allocated() reports; the allocator reserves "
-        "somewhat more, hence the margin"
+        (
+            "allocated",
+            "what torch.cuda.max_memory_allocated() reports; the allocator reserves somewhat "
+            "more, hence the margin",
+        )
     )
-    return ["Terms:", *(f"  {t}" for t in terms)]
+    return terms
+
+
+def _legend(advice: Advice, verbose: bool) -> Table:
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(style="dim")
+    for term, meaning in legend_lines(advice, verbose):
+        grid.add_row(f"  {term}:", escape(meaning))
+    return grid
 
 
 def _breakdown_table(advice: Advice) -> Table:
@@ -354,8 +369,8 @@ def print_advice(advice: Advice, console: Console | None = None, *, verbose: boo
         if advice.suggestions:
             console.print(_suggestions_table(advice))
     console.print()
-    for line in legend_lines(advice, verbose):
-        console.print(escape(line), style="dim")
+    console.print("Terms:", style="dim")
+    console.print(_legend(advice, verbose))
     if not verbose:
         console.print(
             "--verbose adds the breakdown, every kernel set's peak and the suggestions as tables.",

@@ -92,7 +92,9 @@ def test_suggestions_that_drop_the_users_flce_chunk_say_so() -> None:
     for suggestion in advice.suggestions:
         st = suggestion.setup
         kept = st.flce_chunk == chunk
-        assert kept or f"leave out --flce-chunk {chunk}" in suggestion.description
+        assert kept or f"memplan's FLCE setting instead of your chunk of {chunk} rows" in (
+            suggestion.description
+        )
         rerun = advise(
             "llama-3.2-1b",
             st.batch,

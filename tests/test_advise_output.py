@@ -10,7 +10,7 @@ import pytest
 from memplan.advisor import advise, usable_bytes
 from memplan.catalog import resolve_model
 from memplan.estimators import estimate
-from memplan.render import advice_text, apply_line, training_arguments_line
+from memplan.render import advice_text, apply_line, legend_lines, training_arguments_line
 from memplan.schema import TrainSetup
 
 
@@ -83,12 +83,17 @@ def test_kernels_that_save_no_memory_are_marked_as_chosen_for_speed() -> None:
 
 
 def test_the_terms_used_are_explained() -> None:
-    text = advice_text(advise("gemma-7b", 8, 4096), width=300)
-    legend = text[text.index("Terms:") :]
-    assert "bf16: weights, gradients and optimizer states all in bf16" in legend
-    assert "flce: fused linear cross entropy" in legend
-    assert "transient: the temporaries of the op running at the peak" in legend
-    assert "amp-bf16: fp32 weights" in advice_text(advise("gemma-2b", 1, 512, precision="amp-bf16"))
+    advice = advise("gemma-7b", 8, 4096)
+    terms = dict(legend_lines(advice))
+    assert terms["bf16"].startswith("weights, gradients and optimizer states all in bf16")
+    assert terms["flce"].startswith("fused linear cross entropy")
+    assert terms["transient"] == "the temporaries of the op running at the peak"
+    text = advice_text(advice, width=300)
+    legend = text[text.index("Terms:") :].splitlines()
+    for term, meaning in terms.items():
+        assert any(line.split() == [f"{term}:", *meaning.split()] for line in legend)
+    amp = dict(legend_lines(advise("gemma-2b", 1, 512, precision="amp-bf16")))
+    assert "bf16" not in amp and amp["amp-bf16"].startswith("fp32 weights")
 
 
 def test_verbose_adds_the_tables() -> None:

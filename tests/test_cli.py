@@ -211,3 +211,20 @@ def test_gpus_json_lists_the_catalog() -> None:
     assert gpus["t4"]["compute_capability"] == [7, 5]
     assert gpus["h200"]["memory_bytes"] == 150_754_820_096
     assert "[default]" in memplan("gpus").stdout
+
+
+def test_the_readme_shows_what_advise_prints() -> None:
+    """The README's gemma-7b example is this command's output, as printed into a pipe."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index("`memplan advise --model gemma-7b --batch 8 --seq 4096` prints:\n\n")
+    block = readme[start:].split("\n\n", 1)[1]
+    shown = []
+    for line in block.splitlines():
+        if line and not line.startswith("    "):
+            break
+        shown.append(line[4:])
+    run = memplan("advise", "--model", "gemma-7b", "--batch", "8", "--seq", "4096")
+    printed = [line.rstrip() for line in run.stdout.rstrip("\n").splitlines()]
+    assert "\n".join(shown).rstrip("\n") == "\n".join(printed)
