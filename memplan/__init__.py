@@ -32,6 +32,11 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
+def __dir__() -> list[str]:
+    """The public API (imported on first use), as dir() and tab completion show it."""
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

@@ -6,9 +6,10 @@ torch nor transformers, so `memplan advise` answers in well under a second."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from memplan.catalog import resolve_gpu, resolve_model, substituted_entry
-from memplan.errors import UsageError
+from memplan.catalog import gpu_notes, resolve_gpu, resolve_model_input, substituted_entry
+from memplan.errors import UsageError, option_error
 from memplan.estimators import estimate
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import DtypePlan
@@ -17,6 +18,7 @@ from memplan.estimators.params import (
     check_lora_targets,
     default_lora_targets,
 )
+from memplan.limits import MAX_BATCH, check_lora_rank, check_setup, check_spec, largest_lora_rank
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
@@ -37,7 +39,7 @@ from memplan.schema import (
 ALLOCATOR_MARGIN = 0.90
 
 # largest_batch stops its search here (about a million sequences); render says "at least".
-MAX_BATCH_SEARCHED = 2**20
+MAX_BATCH_SEARCHED = MAX_BATCH
 
 # Past a few thousand rows a chunk's (rows x hidden) @ (hidden x vocab) GEMM runs near the
 # matmul peak already; larger chunks only add logits memory (benchmarks/bench_loss.py).
@@ -61,7 +63,9 @@ def parse_kernels(value: str | Iterable[str] | None, spec: ModelSpec) -> tuple[s
     names = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
     names = [n for n in names if n]
     if isinstance(value, str) and not names:
-        raise UsageError(f"--kernels {value!r} names no kernel; say none for plain Hugging Face")
+        raise option_error(
+            "{} {value!r} names no kernel; say none for plain Hugging Face", "kernels", value=value
+        )
     if names == ["auto"]:
         return None
     if names in (["none"], []):
@@ -71,7 +75,9 @@ def parse_kernels(value: str | Iterable[str] | None, spec: ModelSpec) -> tuple[s
         return best_kernel_set(supported)
     words = [n for n in names if n in ("auto", "none", "all")]
     if words:
-        raise UsageError(f"--kernels {words[0]} stands alone, not in a list with other names")
+        raise option_error(
+            "{} {word} stands alone, not in a list with other names", "kernels", word=words[0]
+        )
     unknown = [n for n in names if n not in KERNEL_NAMES]
     if unknown:
         raise UsageError(
@@ -84,9 +90,10 @@ def parse_kernels(value: str | Iterable[str] | None, spec: ModelSpec) -> tuple[s
             f"it supports {', '.join(supported)}"
         )
     if "cross_entropy" in names and "flce" in names:
-        raise UsageError(
-            "--kernels cross_entropy and flce both compute the loss; pick one "
-            "(flce also fuses the lm_head and never materializes the logits)"
+        raise option_error(
+            "{} cross_entropy and flce both compute the loss; pick one "
+            "(flce also fuses the lm_head and never materializes the logits)",
+            "kernels",
         )
     return tuple(k for k in KERNEL_NAMES if k in names)
 
@@ -135,24 +142,27 @@ def choose_flce(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> dict[str, int |
 
 
 def choose_flce_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> int:
-    """Start from the paper's formula; take the largest power-of-two chunk (fewer, larger GEMMs)
-    that keeps the predicted peak within the usable memory, and go below the formula only when
-    even it does not fit."""
+    """The largest power-of-two chunk (fewer, larger GEMMs) from the paper's formula up to
+    FLCE_CHUNK_CAP (or the formula, when larger) that keeps the step within the GPU; below the
+    formula only when even it does not fit, down to 64 rows; the formula when nothing fits.
+
+    The peak grows with the chunk, so the chunk is found by bisection over the exponent:
+    log2 of the range's estimates, not one estimate per halving."""
     tokens = setup.batch * setup.seq
     formula = kc.flce_default_chunk(tokens, spec.hidden_size, spec.vocab_size)
     top = max(formula, min(FLCE_CHUNK_CAP, 1 << max(0, (tokens - 1).bit_length())))
 
-    def fits_with(chunk: int) -> bool:
-        return fits(estimate(spec, setup.model_copy(update={"flce_chunk": chunk}), gpu), gpu)
+    def fits_with(exponent: int) -> bool:
+        trial = setup.model_copy(update={"flce_chunk": 1 << exponent})
+        return fits(estimate(spec, trial, gpu), gpu)
 
-    chunk = top
-    while chunk > formula and not fits_with(chunk):
-        chunk //= 2
-    smallest = chunk
-    while smallest > 64 and not fits_with(smallest):
-        smallest //= 2
-    # Smaller chunks only help if they make the step fit.
-    return smallest if fits_with(smallest) else chunk
+    low, high = min(64, formula).bit_length() - 1, top.bit_length() - 1
+    if not fits_with(low):
+        return formula  # smaller chunks only help if they make the step fit
+    while low < high:  # fits_with(low) holds
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits_with(middle) else (low, middle - 1)
+    return 1 << low
 
 
 def largest_batch(
@@ -163,7 +173,7 @@ def largest_batch(
     The bisection ends on a batch that fits next to one that does not."""
 
     def fits_at(batch: int) -> bool:
-        trial = with_flce_choice(spec, setup.model_copy(update={"batch": batch}), gpu)
+        trial = lightest_flce(spec, setup.model_copy(update={"batch": batch}))
         return fits(estimate(spec, trial, gpu), gpu)
 
     if not fits_at(1):
@@ -183,7 +193,7 @@ def largest_batch(
 
 
 def advise(
-    model: str | ModelSpec,
+    model: Any,
     batch: int,
     seq: int,
     *,
@@ -201,21 +211,23 @@ def advise(
     trust_remote_code: bool = False,
     expandable_segments: bool = False,
 ) -> Advice:
-    """Predict the peak of one training step and recommend what to switch on. lora_targets
-    defaults to default_lora_targets(spec) and must name linears of the architecture (a list,
-    or a comma-separated string as on the command line)."""
-    spec = (
-        model
-        if isinstance(model, ModelSpec)
-        else resolve_model(model, trust_remote_code=trust_remote_code)
+    """Predict the peak of one training step and recommend what to switch on.
+
+    `model`: a catalog name, a config.json path or folder, a hub id, a config dict, a
+    transformers config or model (its config; the setup comes from these arguments), or a
+    ModelSpec. lora_targets (a list, or a comma-separated string as on the command line) needs
+    lora_rank, defaults to default_lora_targets(spec) and must name linears of the architecture.
+    Sizes past memplan.limits' bounds are errors that say the bound and why."""
+    check_setup(
+        batch=batch, seq=seq, grad_accum=grad_accum, lora_rank=lora_rank, flce_chunk=flce_chunk
     )
+    if lora_targets is not None and lora_rank is None:
+        raise option_error(
+            "{} needs {} (without a rank there is no LoRA)", "lora_targets", "lora_rank"
+        )
+    spec, notes = resolve_model_input(model, trust_remote_code=trust_remote_code)
+    check_spec(spec)
     gpu_spec = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu, gpu_mem)
-    optional = {"lora-rank": lora_rank, "flce-chunk": flce_chunk}
-    counts = {"batch": batch, "seq": seq, "grad-accum": grad_accum}
-    counts.update({name: value for name, value in optional.items() if value is not None})
-    for name, value in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise UsageError(f"--{name} must be a positive integer, got {value!r}")
     if isinstance(lora_targets, str):
         lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
     targets = (
@@ -223,6 +235,7 @@ def advise(
     )
     if lora_rank:
         check_lora_targets(spec, targets)
+        check_lora_rank(spec, lora_rank, targets)
     base = make_setup(
         batch=batch,
         seq=seq,
@@ -243,19 +256,24 @@ def advise(
             f"{model.strip()!r} is not in the catalog; predicting for the catalog's {entry.key} "
             f"({entry.hf_id}), the closest name: give a config.json path for another config"
         )
+    warnings += notes
     if seq > spec.max_position_embeddings:
         warnings.append(
             f"seq {seq} is longer than the model's max_position_embeddings "
             f"{spec.max_position_embeddings}"
         )
+    grouped = spec.num_key_value_heads < spec.num_attention_heads
+    warnings += gpu_notes(gpu_spec, base.precision, base.attn, grouped)
     requested = parse_kernels(kernels, spec)
     if flce_chunk is not None and requested is not None and "flce" not in requested:
-        raise UsageError("--flce-chunk sets the flce kernel's chunk, but --kernels leaves flce out")
+        raise option_error(
+            "{} sets the flce kernel's chunk, but {} leaves flce out", "flce_chunk", "kernels"
+        )
     supported = supported_kernels(spec)
     options = kernel_options(spec, base, gpu_spec, supported)
     chosen = requested if requested is not None else recommend(options)
     if flce_chunk is not None and "flce" not in chosen:
-        warnings.append(f"--flce-chunk {flce_chunk} is unused: the plan leaves flce out")
+        warnings.append(f"the FLCE chunk {flce_chunk} is unused: the plan leaves flce out")
     setup = base.model_copy(
         update={"kernels": chosen, "flce_chunk": flce_chunk if "flce" in chosen else None}
     )
@@ -277,6 +295,7 @@ def advise(
     compared = [plan_row if o.kernels == chosen else o for o in options]
     if chosen not in {o.kernels for o in options}:
         compared.append(plan_row)
+    fit = fits(result, gpu_spec)
     return Advice(
         model=spec.name or spec.model_type,
         setup=setup,
@@ -284,11 +303,12 @@ def advise(
         peak_bytes=result.peak_bytes,
         estimate=result,
         plan=plan,
-        fits=fits(result, gpu_spec),
+        fits=fit,
         headroom_bytes=limit - result.peak_bytes,
         kernel_options=compared,
+        kernel_savings=kernel_savings(spec, setup, gpu_spec, result.peak_bytes),
         suggestions=[]
-        if fits(result, gpu_spec)
+        if fit
         else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk),
         max_batch=max_batch,
         warnings=warnings,
@@ -317,6 +337,20 @@ def recommend(options: list[KernelOption]) -> tuple[str, ...]:
     return best.kernels
 
 
+def kernel_savings(spec: ModelSpec, setup: TrainSetup, gpu: Gpu, peak: int) -> dict[str, int]:
+    """For each of the setup's kernels, the bytes the predicted peak would grow by without it
+    (the other kernels and FLCE's setting kept); 0 means it saves no memory here and is there
+    for speed."""
+    savings = {}
+    for kernel in setup.kernels:
+        update: dict[str, Any] = {"kernels": tuple(k for k in setup.kernels if k != kernel)}
+        if kernel == "flce":
+            update.update(flce_chunk=None, flce_memory_budget=None)
+        without = estimate(spec, setup.model_copy(update=update), gpu).peak_bytes
+        savings[kernel] = max(0, without - peak)
+    return savings
+
+
 def suggestions(
     spec: ModelSpec,
     setup: TrainSetup,
@@ -327,26 +361,39 @@ def suggestions(
     flce_chunk: int | None = None,
 ) -> list[Suggestion]:
     """Changes that make the step fit, in order of what they cost in speed or in what is
-    trained: kernels, then micro-batching, then checkpointing, then LoRA. Each with its
-    predicted peak (FLCE's setting chosen as advise chooses it, and the description says so
-    when that replaces the user's `flce_chunk`); when nothing fits, the closest."""
-    kernels = best_kernel_set(supported)
+    trained: the full kernel set (faster, when the setup's kernels are not it already), then,
+    with the setup's own kernels, micro-batching, checkpointing and LoRA, then these with the
+    full set. Each keeps the setup's kernels unless its description says it changes them, and
+    names every change: kernels, micro-batch and accumulation steps, checkpointing, LoRA, and
+    FLCE's setting (chosen as advise chooses it, said when that replaces the user's
+    `flce_chunk`). Each with its predicted peak; when nothing fits, the closest."""
+    full = best_kernel_set(supported)
+    own = setup.kernels
     sequences = setup.batch * setup.grad_accum
     adapted = attention_lora_targets(spec)
-    lora = {"lora_rank": 16, "lora_targets": adapted}
-    on = f"LoRA r=16 on {', '.join(adapted)}"
-    ladder: list[tuple[str, dict]] = [("kernels " + ", ".join(kernels), {})]
+    rank = min(16, largest_lora_rank(spec, adapted) or 16)
+    lora = {"lora_rank": rank, "lora_targets": adapted}
+    on = f"LoRA r={rank} on {', '.join(adapted)}"
+    changes: list[tuple[str, dict[str, Any]]] = []
     if not setup.grad_checkpointing:
-        ladder.append(("gradient checkpointing (~30% slower steps)", {"grad_checkpointing": True}))
+        changes.append(("gradient checkpointing (~30% slower steps)", {"grad_checkpointing": True}))
     if not setup.lora_rank:
-        ladder.append((f"{on} (base frozen)", lora))
+        changes.append((f"{on} (base frozen)", lora))
         if not setup.grad_checkpointing:
-            ladder.append(
+            changes.append(
                 (f"{on} and gradient checkpointing", {**lora, "grad_checkpointing": True})
             )
+    switch = f"kernels {', '.join(full) or 'none'} instead of {', '.join(own) or 'none'}"
+    ladder: list[tuple[list[str], tuple[str, ...], dict[str, Any]]] = []
+    if full != own:
+        ladder.append(([switch], full, {}))
+    ladder.append(([], own, {}))  # micro-batching alone
+    ladder += [([text], own, change) for text, change in changes]
+    if full != own:
+        ladder += [([switch, text], full, change) for text, change in changes]
     found: list[Suggestion] = []
     tried: list[Suggestion] = []
-    for description, change in ladder:
+    for described, kernels, change in ladder:
         trial = setup.model_copy(
             update={"kernels": kernels, "flce_chunk": None, "flce_memory_budget": None, **change}
         )
@@ -360,19 +407,24 @@ def suggestions(
                 trial.model_copy(update={"batch": micro, "grad_accum": sequences // micro}),
                 gpu,
             )
+            parts = list(described)
+            if micro != setup.batch:
+                parts.append(f"micro-batch {micro} x {sequences // micro} accumulation steps")
+            if flce_chunk is not None and candidate.flce_chunk != flce_chunk:
+                parts.append(f"memplan's FLCE setting instead of your chunk of {flce_chunk} rows")
+            if not parts:
+                continue  # the setup as it is: it does not fit
             predicted = estimate(spec, candidate, gpu)
-            peak = predicted.peak_bytes
-            text = (
-                description
-                if micro == setup.batch
-                else (
-                    f"{description}; micro-batch {micro} x {sequences // micro} accumulation steps"
+            fit = fits(predicted, gpu)
+            tried.append(
+                Suggestion(
+                    description="; ".join(parts),
+                    setup=candidate,
+                    peak_bytes=predicted.peak_bytes,
+                    fits=fit,
                 )
             )
-            if flce_chunk is not None and candidate.flce_chunk != flce_chunk:
-                text += f"; leave out --flce-chunk {flce_chunk} (memplan sets FLCE's chunk)"
-            tried.append(Suggestion(description=text, setup=candidate, peak_bytes=peak))
-            if fits(predicted, gpu):
+            if fit:
                 found.append(tried[-1])
                 break
         if len(found) >= most:
@@ -380,6 +432,18 @@ def suggestions(
     if found:
         return found
     return sorted(tried, key=lambda s: s.peak_bytes)[:1]
+
+
+def lightest_flce(spec: ModelSpec, setup: TrainSetup) -> TrainSetup:
+    """The setup at the smallest FLCE chunk choose_flce_chunk considers, unless FLCE's setting
+    is fixed already: the peak grows with the chunk, and the two-pass schedule at that chunk
+    holds less than the fp32-accumulator one, so the step fits with some setting advise would
+    choose exactly when it fits with this one (one estimate instead of a search)."""
+    if "flce" in setup.kernels and setup.flce_chunk is None and setup.flce_memory_budget is None:
+        tokens = setup.batch * setup.seq
+        formula = kc.flce_default_chunk(tokens, spec.hidden_size, spec.vocab_size)
+        return setup.model_copy(update={"flce_chunk": min(64, formula)})
+    return setup
 
 
 def with_flce_choice(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> TrainSetup:

@@ -10,17 +10,29 @@ from typing import Any
 
 import click
 
-from memplan.errors import MemplanError, UsageError, positive_int
+from memplan.errors import MemplanError, positive_int
 
 
 def console():
-    """rich wraps at 80 columns when stdout is not a terminal; tables read better wider."""
+    """rich wraps at 80 columns when stdout is not a terminal; tables read better wider. rich
+    exits 1 when the reader closes stdout; memplan exits 0 (_reader_left)."""
     from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 120)
+    out = Console(width=None if sys.stdout.isatty() else 100)
+    out.on_broken_pipe = _reader_left  # type: ignore[method-assign]
+    return out
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        # click turns a closed stdout into exit 1; the reader left with what it wanted
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            _reader_left()
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="memplan")
 def cli() -> None:
     """Predict the peak GPU memory of an LLM training step, pick fused kernels, verify."""
@@ -75,14 +87,15 @@ def cli() -> None:
 )
 @click.option("--trust-remote-code", is_flag=True, help="let a hub id's config run its own code")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+@click.option(
+    "--verbose", "-v", is_flag=True, help="add the breakdown, kernel and suggestion tables"
+)
 def advise(**opts: Any) -> None:
     """Predict the peak memory of a training step and say what to switch on."""
     from memplan.advisor import advise as run_advise
 
     lora_rank = positive_int("--lora-rank", opts["lora_rank"])
     targets = opts["lora_targets"]
-    if targets is not None and lora_rank is None:
-        raise UsageError("--lora-targets needs --lora-rank")
     if targets is not None:
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     advice = run_advise(
@@ -107,7 +120,7 @@ def advise(**opts: Any) -> None:
         return
     from memplan.render import print_advice
 
-    print_advice(advice, console())
+    print_advice(advice, console(), verbose=opts["verbose"])
 
 
 @cli.command()
@@ -159,18 +172,39 @@ def models(as_json: bool) -> None:
 
 
 @cli.command()
-def gpus() -> None:
+@click.option(
+    "--json", "as_json", is_flag=True, help="print each GPU's name, memory and compute capability"
+)
+def gpus(as_json: bool) -> None:
     """List the catalog of GPUs."""
-    from rich.table import Table
-
-    from memplan.catalog import list_gpus
+    from memplan.catalog import DEFAULT_GPU, list_gpus
     from memplan.render import gib
+
+    if as_json:
+        import json
+
+        listing = {
+            key: {
+                "name": gpu.name,
+                "memory_bytes": gpu.memory_bytes,
+                "context_bytes": gpu.context_bytes,
+                "compute_capability": list(gpu.compute_capability),
+                "default": key == DEFAULT_GPU,
+            }
+            for key, gpu in list_gpus()
+        }
+        click.echo(json.dumps(listing, indent=2))
+        return
+    from rich.table import Table
 
     table = Table(title="GPUs")
     table.add_column("name")
     table.add_column("memory", justify="right")
+    table.add_column("compute capability", justify="right")
     for key, gpu in list_gpus():
-        table.add_row(f"{key} ({gpu.name})", gib(gpu.memory_bytes))
+        default = " \\[default]" if key == DEFAULT_GPU else ""
+        major, minor = gpu.compute_capability
+        table.add_row(f"{key} ({gpu.name}){default}", gib(gpu.memory_bytes), f"{major}.{minor}")
     console().print(table)
 
 
@@ -185,9 +219,14 @@ _register_verify()
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:  # a bare `memplan` asks what it can do: the help, exit 0
+        with click.Context(cli, info_name="memplan", **cli.context_settings) as ctx:
+            click.echo(cli.get_help(ctx))
+        sys.exit(0)
     try:
         # Without standalone mode click returns a command's ctx.exit() code instead of exiting.
-        code = cli.main(args=argv, standalone_mode=False)
+        code = cli.main(args=args, prog_name="memplan", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("Error: aborted", err=True)
         sys.exit(1)
@@ -199,8 +238,21 @@ def main(argv: list[str] | None = None) -> None:
     except MemplanError as exc:
         if os.environ.get("MEMPLAN_DEBUG") == "1":
             raise
-        click.echo(f"Error: {exc}", err=True)
+        click.echo(f"Error: {getattr(exc, 'cli_message', None) or exc}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _reader_left()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _reader_left() -> None:
+    """The reader of stdout closed it (`memplan advise ... | head -1`): it has what it wanted.
+    Exit 0 without a traceback, with stdout pointed at /dev/null so that Python's own flush at
+    exit does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(0)

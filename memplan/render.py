@@ -1,12 +1,22 @@
-"""Human-readable output of `memplan advise` (rich tables)."""
+"""Human-readable output of `memplan advise`: the verdict and what to do first, then the setup,
+the kernels and what is alive at the peak, then a legend of the terms used; `verbose` adds the
+breakdown, every kernel set's predicted peak and every suggestion as tables.
+
+Every "does it fit" here is the advisor's (Advice.fits, Suggestion.fits); what the verdict says
+is built in verdict_lines alone."""
 
 from __future__ import annotations
 
+import io
+import json
+
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memplan.advisor import ALLOCATOR_MARGIN, MAX_BATCH_SEARCHED, usable_bytes
-from memplan.schema import Advice
+from memplan.catalog import DEFAULT_GPU, resolve_gpu
+from memplan.schema import Advice, TrainSetup
 
 GIB = 2**30
 
@@ -17,6 +27,14 @@ BREAKDOWN_LABELS = {
     "autocast_cache": "the weight copies autocast caches in forward",
     "embedding_leaf": "the embedding output and its gradient that the loss's graph keeps",
     "transient": "the temporaries of the op at the peak",
+}
+
+PRECISION_TERMS = {
+    "bf16": "weights, gradients and optimizer states all in bf16 (no fp32 master copy)",
+    "amp-bf16": "fp32 weights, gradients and optimizer states; autocast runs the matmuls in bf16",
+    "amp-fp16": "fp32 weights, gradients and optimizer states; autocast runs the matmuls in "
+    "fp16, with a loss scaler",
+    "fp32": "weights, gradients, optimizer states and every op in fp32",
 }
 
 
@@ -38,119 +56,330 @@ def describe_kernels(kernels: tuple[str, ...]) -> str:
     return ", ".join(kernels) if kernels else "none (plain Hugging Face)"
 
 
-def print_advice(advice: Advice, console: Console | None = None) -> None:
-    console = console or Console()
+# ---------------------------------------------------------------------------------- verdict
+
+
+def verdict_lines(advice: Advice) -> list[str]:
+    """The answer: fits or not, on which GPU, the predicted peak against what is usable, the
+    headroom, and when it does not fit, why. Rich markup."""
     setup, est, gpu = advice.setup, advice.estimate, advice.gpu
-    options = [
-        f"batch {setup.batch}",
-        f"seq {setup.seq}",
-        setup.precision,
-        setup.optimizer,
-        f"attn {setup.attn}",
-    ]
-    if setup.grad_checkpointing:
-        options.append("gradient checkpointing")
-    if setup.lora_rank:
-        options.append(f"LoRA r={setup.lora_rank} on {','.join(setup.lora_targets)}")
-    if setup.grad_accum > 1:
-        options.append(f"grad accumulation {setup.grad_accum}")
-    console.print(
-        f"[bold]{advice.model}[/bold]: {count(est.params)} parameters "
-        f"({count(est.trainable_params)} trainable); {', '.join(options)}"
-    )
-    for warning in advice.warnings:
-        console.print(f"[yellow]Warning:[/yellow] {warning}")
-
-    table = Table(title=f"Predicted peak, kernels: {describe_kernels(setup.kernels)}")
-    table.add_column("alive at the peak")
-    table.add_column("bytes", justify="right")
-    for name, nbytes in sorted(est.breakdown.items(), key=lambda kv: -kv[1]):
-        table.add_row(name.replace("_", " "), gib(nbytes))
-    table.add_row("[bold]peak (steady step)[/bold]", f"[bold]{gib(est.peak_bytes)}[/bold]")
-    table.add_row("peak of step 1 (no optimizer states yet)", gib(est.peak_step1_bytes))
-    console.print(table)
-    console.print(f"The peak falls in: {est.peak_phase} ({est.peak_label}).")
-
-    others_with_flce = any(
-        "flce" in o.kernels and o.kernels != advice.plan.kernels for o in advice.kernel_options
-    )
-    kernels = Table(
-        title="Kernel sets compared",
-        caption="The plan's set at the plan's FLCE setting; other sets with flce at --flce-chunk, "
-        "else at Liger's default chunk."
-        if others_with_flce
-        else None,
-    )
-    kernels.add_column("kernels")
-    kernels.add_column("predicted peak", justify="right")
-    kernels.add_column("vs none", justify="right")
-    baseline = advice.kernel_options[0].peak_bytes if advice.kernel_options else est.peak_bytes
-    for option in advice.kernel_options:
-        kernels.add_row(
-            describe_kernels(option.kernels),
-            gib(option.peak_bytes),
-            f"{100 * (option.peak_bytes - baseline) / baseline:+.1f}%",
-        )
-    console.print(kernels)
-
-    plan = advice.plan
-    chunk = f", FLCE chunk {plan.flce_chunk} rows" if plan.flce_chunk else ""
-    if plan.flce_memory_budget:
-        chunk = (
-            f", FLCE memory budget {gib(plan.flce_memory_budget)} (dW accumulated in fp32, "
-            "three GEMMs per chunk)"
-        )
-    console.print(f"[bold]Plan:[/bold] kernels {describe_kernels(plan.kernels)}{chunk}.")
     limit = usable_bytes(gpu)
-    verdict = "[green]fits[/green]" if advice.fits else "[red]does not fit[/red]"
-    console.print(
-        f"{gpu.name}: {gib(gpu.memory_bytes)}; usable by the allocator after the CUDA context and "
-        f"a {100 * (1 - ALLOCATOR_MARGIN):.0f}% fragmentation margin: {gib(limit)}. "
-        f"Predicted {gib(advice.peak_bytes)}: {verdict} "
-        f"(headroom {gib(advice.headroom_bytes)})."
+    default = resolve_gpu(DEFAULT_GPU)
+    assumed = " (the default GPU)" if gpu == default else ""
+    head = f"[bold]{escape(advice.model)}[/bold], batch {setup.batch} x seq {setup.seq}"
+    if advice.fits:
+        lines = [
+            f"{head} on {escape(gpu.name)}{assumed}: [green]fits[/green], "
+            f"{gib(advice.headroom_bytes)} headroom."
+        ]
+    else:
+        lines = [
+            f"{head} on {escape(gpu.name)}{assumed}: [red]does not fit[/red], "
+            f"{gib(-advice.headroom_bytes)} over."
+        ]
+    lines.append(
+        f"Predicted peak {gib(advice.peak_bytes)} allocated; usable {gib(limit)}: "
+        f"{gib(gpu.memory_bytes)} less {gib(gpu.context_bytes)} of CUDA context and a "
+        f"{100 * (1 - ALLOCATOR_MARGIN):.0f}% allocator margin."
     )
+    if advice.fits:
+        return lines
     step = [p for p in est.timeline if p.phase == "optimizer"]
     weights = est.breakdown.get("weights", 0)
-    if not advice.fits and weights > limit:
-        console.print(
+    if weights > limit:
+        lines.append(
             f"Why: the weights alone hold {gib(weights)}, more than the {gib(limit)} usable, "
             "whatever the batch or the trainable parameters: shard them across GPUs (FSDP/ZeRO) "
             "or load them quantized."
         )
-    elif not advice.fits and step and step[-1].allocated_bytes > limit:
+    elif step and step[-1].allocated_bytes > limit:
         fewer = "" if setup.lora_rank else "fewer trainable parameters (LoRA) or "
-        console.print(
+        lines.append(
             "Why: whatever the batch, the optimizer step alone holds "
             f"{gib(step[-1].allocated_bytes)} "
             f"(weights, their gradients, {setup.optimizer} states and the step's temporaries), "
             f"more than the {gib(limit)} usable: {fewer}sharding across GPUs (FSDP/ZeRO) is "
             "needed."
         )
-    elif not advice.fits and est.breakdown:
+    elif est.breakdown:
         name, nbytes = max(est.breakdown.items(), key=lambda kv: kv[1])
         label = BREAKDOWN_LABELS.get(name, name.replace("_", " "))
-        console.print(
+        lines.append(
             f"Why: at batch {setup.batch} x seq {setup.seq} the largest part of the peak is "
             f"{label} ({gib(nbytes)})."
         )
-    if advice.max_batch is not None:
-        if advice.max_batch >= MAX_BATCH_SEARCHED:
-            console.print(
-                f"Largest batch that fits with this plan: at least {advice.max_batch:,} "
-                "(the search stops there)."
+    return lines
+
+
+def headroom(advice: Advice, peak_bytes: int) -> int:
+    """What is left of the usable memory at this peak (negative: over)."""
+    return usable_bytes(advice.gpu) - peak_bytes
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+
+def apply_line(setup: TrainSetup) -> str | None:
+    """The memplan.apply call that patches a model as the setup says (None: no kernels)."""
+    if not setup.kernels:
+        return None
+    args = [f"kernels={json.dumps(list(setup.kernels))}"]
+    if setup.flce_chunk is not None:
+        args.append(f"flce_chunk={setup.flce_chunk}")
+    if setup.flce_memory_budget is not None:
+        args.append(f"flce_memory_budget={setup.flce_memory_budget}")
+    return f"memplan.apply(model, {', '.join(args)})"
+
+
+def lora_line(setup: TrainSetup) -> str | None:
+    if not setup.lora_rank:
+        return None
+    return (
+        f"peft.LoraConfig(r={setup.lora_rank}, "
+        f"target_modules={json.dumps(list(setup.lora_targets))})"
+    )
+
+
+def training_arguments_line(setup: TrainSetup) -> str | None:
+    """The Hugging Face TrainingArguments that run the step as predicted, when the plan splits
+    the batch or checkpoints (None otherwise)."""
+    if setup.grad_accum == 1 and not setup.grad_checkpointing:
+        return None
+    args = [f"per_device_train_batch_size={setup.batch}"]
+    if setup.grad_accum > 1:
+        args.append(f"gradient_accumulation_steps={setup.grad_accum}")
+    if setup.grad_checkpointing:
+        args.append("gradient_checkpointing=True")
+    amp = {"amp-bf16": "bf16=True", "amp-fp16": "fp16=True"}.get(setup.precision)
+    if amp:
+        args.append(amp)
+    return f"TrainingArguments({', '.join(args)})"
+
+
+def plan_code(setup: TrainSetup) -> list[str]:
+    """Copy-paste lines for the setup: apply, LoRA, TrainingArguments (those that apply)."""
+    lines = [apply_line(setup), lora_line(setup), training_arguments_line(setup)]
+    return [line for line in lines if line]
+
+
+def _todo(advice: Advice) -> list[tuple[str, bool]]:
+    """What to do first, as (line, is_code)."""
+    if advice.fits:
+        code = plan_code(advice.setup)
+        if not code:
+            return [("Run it as it is: no memplan kernel was asked for.", False)]
+        return [("Do this:", False), *((line, True) for line in code)]
+    if not advice.suggestions:
+        return []
+    first, *others = advice.suggestions
+    if not first.fits:
+        return [
+            (
+                "Nothing tried fits one GPU; the closest: "
+                f"{escape(first.description)}: {gib(first.peak_bytes)} predicted. "
+                "Shard across GPUs (FSDP/ZeRO).",
+                False,
             )
-        elif advice.max_batch:
-            console.print(f"Largest batch that fits with this plan: {advice.max_batch}.")
-        else:
-            console.print("Not even batch 1 fits with this plan.")
-    if advice.suggestions:
-        fixes = Table(
-            title="What makes it fit"
-            if advice.suggestions[0].peak_bytes <= limit
-            else "Closest option (nothing tried fits one GPU; shard with FSDP/ZeRO)"
+        ]
+    lines = [
+        (
+            f"Do this first: {escape(first.description)}.\n"
+            f"  Predicted {gib(first.peak_bytes)}, {gib(headroom(advice, first.peak_bytes))} "
+            "headroom:",
+            False,
+        ),
+        *((line, True) for line in plan_code(first.setup)),
+    ]
+    if others:
+        lines.append(("Also fits:", False))
+        lines += [(f"  - {escape(s.description)}: {gib(s.peak_bytes)}", False) for s in others]
+    return lines
+
+
+# ---------------------------------------------------------------------------------- details
+
+
+def _setup_line(advice: Advice) -> str:
+    setup, est = advice.setup, advice.estimate
+    options = [setup.precision, setup.optimizer, f"attention {setup.attn}"]
+    if setup.grad_checkpointing:
+        options.append("gradient checkpointing")
+    if setup.lora_rank:
+        options.append(f"LoRA r={setup.lora_rank} on {','.join(setup.lora_targets)}")
+    if setup.grad_accum > 1:
+        options.append(f"{setup.grad_accum} accumulation steps")
+    return (
+        f"Setup: {count(est.params)} parameters ({count(est.trainable_params)} trainable); "
+        f"{', '.join(options)}."
+    )
+
+
+def _kernels_line(advice: Advice) -> str:
+    plan = advice.plan
+    if not plan.kernels:
+        return "Kernels: none (plain Hugging Face)."
+    parts = []
+    for kernel in plan.kernels:
+        saved = advice.kernel_savings.get(kernel)
+        note = (
+            ""
+            if saved is None
+            else ("for speed: saves no memory here" if saved == 0 else f"saves {gib(saved)}")
         )
-        fixes.add_column("change")
-        fixes.add_column("predicted peak", justify="right")
-        for suggestion in advice.suggestions:
-            fixes.add_row(suggestion.description, gib(suggestion.peak_bytes))
-        console.print(fixes)
+        if kernel == "flce" and plan.flce_chunk:
+            note += f"; chunk {plan.flce_chunk} rows"
+        elif kernel == "flce" and plan.flce_memory_budget:
+            note += f"; memory budget {gib(plan.flce_memory_budget)}"
+        parts.append(f"{kernel} ({note})" if note else kernel)
+    return f"Kernels: {', '.join(parts)}."
+
+
+def _peak_line(advice: Advice) -> str:
+    est = advice.estimate
+    parts = ", ".join(
+        f"{name.replace('_', ' ')} {gib(nbytes)}"
+        for name, nbytes in sorted(est.breakdown.items(), key=lambda kv: -kv[1])
+    )
+    return f"At the peak ({est.peak_phase}: {est.peak_label}): {parts}."
+
+
+def _max_batch_line(advice: Advice) -> str | None:
+    if advice.max_batch is None:
+        return None
+    if advice.max_batch >= MAX_BATCH_SEARCHED:
+        return (
+            f"Largest batch that fits with these kernels: at least {advice.max_batch:,} "
+            "(the search stops there)."
+        )
+    if advice.max_batch:
+        return f"Largest batch that fits with these kernels: {advice.max_batch}."
+    return "Largest batch that fits with these kernels: none, not even batch 1."
+
+
+def legend_lines(advice: Advice, verbose: bool = False) -> list[tuple[str, str]]:
+    """(term, meaning) for each term the output uses."""
+    setup = advice.setup
+    terms = [(setup.precision, PRECISION_TERMS[setup.precision])]
+    shown = set(advice.plan.kernels)
+    for s in advice.suggestions:
+        shown |= set(s.setup.kernels)
+    if verbose:
+        shown |= {k for o in advice.kernel_options for k in o.kernels}
+    if "flce" in shown:
+        terms.append(
+            (
+                "flce",
+                "fused linear cross entropy: lm_head and loss computed in chunks of rows, so "
+                "the whole batch's logits never exist",
+            )
+        )
+    if "transient" in advice.estimate.breakdown:
+        terms.append(("transient", "the temporaries of the op running at the peak"))
+    terms.append(
+        (
+            "allocated",
+            "what torch.cuda.max_memory_allocated() reports; the allocator reserves somewhat "
+            "more, hence the margin",
+        )
+    )
+    return terms
+
+
+def _legend(advice: Advice, verbose: bool) -> Table:
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(style="dim")
+    for term, meaning in legend_lines(advice, verbose):
+        grid.add_row(f"  {term}:", escape(meaning))
+    return grid
+
+
+def _breakdown_table(advice: Advice) -> Table:
+    est = advice.estimate
+    table = Table(title=f"Predicted peak, kernels: {describe_kernels(advice.setup.kernels)}")
+    table.add_column("alive at the peak")
+    table.add_column("bytes", justify="right")
+    for name, nbytes in sorted(est.breakdown.items(), key=lambda kv: -kv[1]):
+        table.add_row(name.replace("_", " "), gib(nbytes))
+    table.add_row("[bold]peak (steady step)[/bold]", f"[bold]{gib(est.peak_bytes)}[/bold]")
+    table.add_row("peak of step 1 (no optimizer states yet)", gib(est.peak_step1_bytes))
+    return table
+
+
+def _kernels_table(advice: Advice) -> Table:
+    others_with_flce = any(
+        "flce" in o.kernels and o.kernels != advice.plan.kernels for o in advice.kernel_options
+    )
+    table = Table(
+        title="Kernel sets compared",
+        caption="The plan's set at the plan's FLCE setting; other sets with flce at --flce-chunk, "
+        "else at Liger's default chunk."
+        if others_with_flce
+        else None,
+    )
+    table.add_column("kernels")
+    table.add_column("predicted peak", justify="right")
+    table.add_column("vs none", justify="right")
+    baseline = advice.kernel_options[0].peak_bytes if advice.kernel_options else advice.peak_bytes
+    for option in advice.kernel_options:
+        table.add_row(
+            describe_kernels(option.kernels),
+            gib(option.peak_bytes),
+            f"{100 * (option.peak_bytes - baseline) / baseline:+.1f}%",
+        )
+    return table
+
+
+def _suggestions_table(advice: Advice) -> Table:
+    table = Table(title="What makes it fit" if advice.suggestions[0].fits else "Closest option")
+    table.add_column("change (kernels as they are unless named)")
+    table.add_column("predicted peak", justify="right")
+    table.add_column("headroom", justify="right")
+    for s in advice.suggestions:
+        table.add_row(s.description, gib(s.peak_bytes), gib(headroom(advice, s.peak_bytes)))
+    return table
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def print_advice(advice: Advice, console: Console | None = None, *, verbose: bool = False) -> None:
+    console = console or Console()
+    for line in verdict_lines(advice):
+        console.print(line)
+    for warning in advice.warnings:  # one line each, as the terminal wraps it
+        console.print(f"[yellow]Warning:[/yellow] {escape(warning)}", soft_wrap=True)
+    console.print()
+    for line, is_code in _todo(advice):
+        if is_code:
+            # one unwrapped line, no highlighting: it is meant to be copied
+            console.print(f"    {line}", markup=False, highlight=False, soft_wrap=True)
+        else:
+            console.print(line)
+    console.print()
+    console.print(escape(_setup_line(advice)))
+    console.print(escape(_kernels_line(advice)))
+    console.print(escape(_peak_line(advice)))
+    max_batch = _max_batch_line(advice)
+    if max_batch:
+        console.print(max_batch)
+    if verbose:
+        console.print(_breakdown_table(advice))
+        console.print(_kernels_table(advice))
+        if advice.suggestions:
+            console.print(_suggestions_table(advice))
+    console.print()
+    console.print("Terms:", style="dim")
+    console.print(_legend(advice, verbose))
+    if not verbose:
+        console.print(
+            "--verbose adds the breakdown, every kernel set's peak and the suggestions as tables.",
+            style="dim",
+        )
+
+
+def advice_text(advice: Advice, *, verbose: bool = False, width: int = 100) -> str:
+    """print_advice as plain text (no colour)."""
+    out = io.StringIO()
+    print_advice(advice, Console(file=out, width=width, color_system=None), verbose=verbose)
+    return out.getvalue()

@@ -221,6 +221,7 @@ class Suggestion(BaseModel):
     description: str
     setup: TrainSetup
     peak_bytes: int
+    fits: bool  # advisor.fits of its estimate: False for the closest option when none fits
 
 
 class Advice(BaseModel):
@@ -233,9 +234,29 @@ class Advice(BaseModel):
     fits: bool
     headroom_bytes: int
     kernel_options: list[KernelOption] = Field(default_factory=list)
+    # Bytes the peak would grow by without each of the plan's kernels (0: there for speed).
+    kernel_savings: dict[str, int] = Field(default_factory=dict)
     suggestions: list[Suggestion] = Field(default_factory=list)
     max_batch: int | None = None
     warnings: list[str] = Field(default_factory=list)
+
+    def __str__(self) -> str:
+        """What `memplan advise` prints, as plain text (print(advice))."""
+        from memplan.render import advice_text
+
+        return advice_text(self)
+
+    def __repr__(self) -> str:
+        verdict = "fits" if self.fits else "does not fit"
+        return (
+            f"Advice({self.model!r}, batch={self.setup.batch}, seq={self.setup.seq}, "
+            f"gpu={self.gpu.name!r}: {verdict}, peak {self.peak_bytes / GIB:.2f} GiB, "
+            f"kernels={self.plan.kernels})"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """IPython and Jupyter show the advice as advise prints it."""
+        printer.text(str(self))
 
 
 class VerifyCase(BaseModel):

@@ -20,12 +20,19 @@ def memplan(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_advise_prints_the_plan() -> None:
+def test_advise_prints_the_verdict_first() -> None:
     run = memplan("advise", "--model", "gemma-7b", "--batch", "8", "--seq", "4096")
     assert run.returncode == 0, run.stderr
-    assert "does not fit" in run.stdout
-    assert "What makes it fit" in run.stdout
-    assert "Plan:" in run.stdout
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("gemma-7b, batch 8 x seq 4096 on H100 80GB SXM (the default GPU)")
+    assert "does not fit" in lines[0]
+    first = lines.index(next(line for line in lines if line.startswith("Do this first:")))
+    code = next(i for i, line in enumerate(lines) if "memplan.apply(model, kernels=" in line)
+    assert first < 8 and first < code <= first + 3
+    # the tables only under --verbose
+    assert "What makes it fit" not in run.stdout and "Kernel sets compared" not in run.stdout
+    verbose = memplan("advise", "--model", "gemma-7b", "--batch", "8", "--seq", "4096", "-v")
+    assert "What makes it fit" in verbose.stdout and "Kernel sets compared" in verbose.stdout
 
 
 def test_advise_json_is_the_advice_model() -> None:
@@ -149,8 +156,11 @@ def test_models_lists_the_catalog() -> None:
     assert run.returncode == 0 and "gemma-7b" in run.stdout and "qwen3-30b-a3b" in run.stdout
 
 
-def test_a_huge_batch_does_not_hang() -> None:
-    batch = "99999999999999"
+def test_a_huge_batch_is_refused_and_the_largest_accepted_answered() -> None:
+    run = memplan("advise", "--model", "gemma-7b", "--batch", "99999999999999", "--seq", "4096")
+    assert run.returncode == 2
+    assert run.stderr.startswith("Error: --batch is the micro-batch") and "1,048,576" in run.stderr
+    batch = str(2**20)
     run = memplan("advise", "--model", "gemma-7b", "--batch", batch, "--seq", "4096", "--json")
     assert run.returncode == 0, run.stderr
     setup = json.loads(run.stdout)["suggestions"][0]["setup"]
@@ -164,3 +174,58 @@ def test_lora_on_a_fused_qkv_model_defaults_to_qkv_proj() -> None:
     assert run.returncode == 0, run.stderr
     assert "LoRA r=16 on qkv_proj" in run.stdout
     assert "qkv_proj" in memplan("advise", "--help").stdout
+
+
+def test_a_bare_memplan_prints_the_help_and_exits_0() -> None:
+    """It printed "Error: Usage: ..." and exited 2."""
+    run = memplan()
+    assert run.returncode == 0 and run.stderr == ""
+    assert run.stdout.startswith("Usage: memplan [OPTIONS] COMMAND [ARGS]...")
+    assert "advise" in run.stdout and "-h, --help" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["advise", "--model", "gemma-7b", "--batch", "8", "--seq", "4096", "-v"],
+        ["models"],
+        ["gpus", "--json"],
+    ],
+)
+def test_a_reader_that_stops_early_is_not_an_error(args) -> None:
+    """`memplan advise ... | head -1` exited 1: rich exits 1 when stdout's reader is gone."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "memplan", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    child.stdout.close()  # the reader leaves before the first line is written
+    assert child.wait(timeout=120) == 0
+    assert child.stderr.read() == b""
+
+
+def test_gpus_json_lists_the_catalog() -> None:
+    run = memplan("gpus", "--json")
+    assert run.returncode == 0, run.stderr
+    gpus = json.loads(run.stdout)
+    assert gpus["h100-80gb"]["default"] is True and gpus["t4"]["default"] is False
+    assert gpus["t4"]["compute_capability"] == [7, 5]
+    assert gpus["h200"]["memory_bytes"] == 150_754_820_096
+    assert "[default]" in memplan("gpus").stdout
+
+
+def test_the_readme_shows_what_advise_prints() -> None:
+    """The README's gemma-7b example is this command's output, as printed into a pipe."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index("`memplan advise --model gemma-7b --batch 8 --seq 4096` prints:\n\n")
+    block = readme[start:].split("\n\n", 1)[1]
+    shown = []
+    for line in block.splitlines():
+        if line and not line.startswith("    "):
+            break
+        shown.append(line[4:])
+    run = memplan("advise", "--model", "gemma-7b", "--batch", "8", "--seq", "4096")
+    printed = [line.rstrip() for line in run.stdout.rstrip("\n").splitlines()]
+    assert "\n".join(shown).rstrip("\n") == "\n".join(printed)

@@ -2,13 +2,14 @@
 Gpu. Imports neither torch nor transformers (only a hub-id lookup imports transformers)."""
 
 from memplan.catalog.config_to_spec import SUPPORTED_MODEL_TYPES, spec_from_config
-from memplan.catalog.gpus import DEFAULT_GPU, list_gpus, parse_memory, resolve_gpu
+from memplan.catalog.gpus import DEFAULT_GPU, gpu_notes, list_gpus, parse_memory, resolve_gpu
 from memplan.catalog.models import (
     CatalogModel,
     catalog_model,
     list_model_entries,
     list_models,
     resolve_model,
+    resolve_model_input,
     substituted_entry,
 )
 
@@ -17,12 +18,14 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "CatalogModel",
     "catalog_model",
+    "gpu_notes",
     "list_gpus",
     "list_model_entries",
     "list_models",
     "parse_memory",
     "resolve_gpu",
     "resolve_model",
+    "resolve_model_input",
     "spec_from_config",
     "substituted_entry",
 ]

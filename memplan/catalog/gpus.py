@@ -126,3 +126,35 @@ def parse_memory(text: str | int) -> int:
     if int(value) <= 0:
         raise UsageError(f"the GPU memory must be at least one byte, got {text!r}")
     return int(value)
+
+
+# Ampere (compute capability 8.0) brought bf16 arithmetic, and SDPA's flash attention needs it.
+BF16_FROM = (8, 0)
+FLASH_ATTENTION_FROM = (8, 0)
+
+
+def gpu_notes(gpu: Gpu, precision: str, attn: str, grouped_kv: bool) -> list[str]:
+    """Warnings for a setup the GPU runs otherwise than the estimate assumes (an older one)."""
+    cc = tuple(gpu.compute_capability)
+    version = f"compute capability {cc[0]}.{cc[1]}"
+    notes = []
+    if precision in ("bf16", "amp-bf16") and cc < BF16_FROM:
+        notes.append(
+            f"{gpu.name} ({version}) has no bf16 arithmetic, which came with 8.0: bf16 training "
+            "there is emulated and slow, or refused; --precision amp-fp16 or fp32 is what runs "
+            "on it"
+        )
+    if attn == "sdpa" and precision != "fp32" and cc < FLASH_ATTENTION_FROM:
+        gqa = (
+            "; with grouped KV heads, as here, transformers asks SDPA for enable_gqa, which "
+            "only its math path takes without flash attention: that path keeps each layer's "
+            "(heads x seq x seq) probabilities, far more than predicted"
+            if grouped_kv
+            else ""
+        )
+        notes.append(
+            f"SDPA's flash attention needs compute capability 8.0, which {gpu.name} lacks: the "
+            "estimate assumes flash attention, and the memory-efficient kernel that runs "
+            f"instead saves about the same{gqa}"
+        )
+    return notes

@@ -14,11 +14,12 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memplan.catalog.config_notes import config_notes
 from memplan.catalog.config_to_spec import spec_from_config
 from memplan.errors import MemplanError, UsageError
 from memplan.schema import ModelSpec
@@ -70,17 +71,52 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
     is none of these, or a malformed hub id ('org/bad name'), is a UsageError; a missing path
     (_PATH_PREFIXES, a drive letter, *.json, or two '/' or more), a bad config or a hub id the
     hub does not give is a MemplanError."""
+    return _resolve(name_or_path, trust_remote_code=trust_remote_code)[0]
+
+
+def resolve_model_input(
+    model: Any, *, trust_remote_code: bool = False
+) -> tuple[ModelSpec, list[str]]:
+    """The spec of anything advise and verify take as a model, and the warnings its config calls
+    for (config_notes): a catalog name, a config.json path or folder or a hub id (a str); a
+    config as a dict; a transformers PretrainedConfig; a model that has one as `.config` (a
+    transformers or PEFT model); or a ModelSpec. Anything else is a UsageError saying so."""
+    if isinstance(model, ModelSpec):
+        return model, config_notes(model.hf_config, model) if model.hf_config else []
+    if isinstance(model, str):
+        spec, config = _resolve(model, trust_remote_code=trust_remote_code)
+        return spec, config_notes(config, spec)
+    config = model if isinstance(model, Mapping) else getattr(model, "config", model)
+    if isinstance(config, Mapping):
+        name = config.get("_name_or_path")
+    else:
+        name = getattr(config, "_name_or_path", None)
+        to_dict = getattr(config, "to_dict", None)
+        if not callable(to_dict):
+            raise UsageError(
+                "the model must be a catalog name, a config.json path or folder, a hub id, a "
+                "config dict, a transformers config or model, or a memplan ModelSpec; got "
+                f"{type(model).__name__}"
+            )
+        config = to_dict()
+    spec = spec_from_config(dict(config), name=name if isinstance(name, str) and name else None)
+    return spec, config_notes(config, spec)
+
+
+def _resolve(name_or_path: str, *, trust_remote_code: bool) -> tuple[ModelSpec, dict[str, Any]]:
+    """resolve_model, and the config as given (the catalog's, the file's or the hub's)."""
     query = name_or_path.strip()
     if not query:
         raise UsageError("the model name is empty (run `memplan models` for the catalog)")
 
     key = _exact_key(query)
     if key is not None:
-        return _catalog_model(key).spec
+        return _catalog_model(key).spec, _entries()[key]["config"]
 
     path = Path(query).expanduser()
     if path.exists():
-        return spec_from_config(_read_config(path), name=query)
+        config = _read_config(path)
+        return spec_from_config(config, name=query), config
     # A hub id has one '/': more reads as a relative path (checkpoints/run1/final).
     reads_as_path = _WINDOWS_DRIVE.match(query) or query.endswith(".json") or query.count("/") > 1
     if query.startswith(_PATH_PREFIXES) or reads_as_path:
@@ -88,7 +124,7 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
 
     key = _substring_key(query)
     if key is not None:
-        return _catalog_model(key).spec
+        return _catalog_model(key).spec, _entries()[key]["config"]
 
     if "/" in query:
         return _from_hub(query, trust_remote_code=trust_remote_code)
@@ -147,7 +183,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _from_hub(hub_id: str, *, trust_remote_code: bool) -> ModelSpec:
+def _from_hub(hub_id: str, *, trust_remote_code: bool) -> tuple[ModelSpec, dict[str, Any]]:
     """The config of a hub id: the local cache first, then one request to the hub, no retries.
 
     huggingface_hub retries a failed connection five times with backoff (about 25 s) and logs
@@ -187,7 +223,8 @@ def _from_hub(hub_id: str, *, trust_remote_code: bool) -> ModelSpec:
                 raise MemplanError(
                     f"the hub's config of {hub_id!r} cannot be read ({_first_line(e)})"
                 ) from e
-    return spec_from_config(config.to_dict(), name=hub_id)
+    as_dict = config.to_dict()
+    return spec_from_config(as_dict, name=hub_id), as_dict
 
 
 def _unknown_hub_id(hub_id: str, reason: str, *, usage: bool = False) -> MemplanError:

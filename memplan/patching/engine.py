@@ -169,17 +169,19 @@ def apply(
     )
     skipped: dict[str, str] = {}
     if kernels is not None:
-        chosen = _validate_kernel_names(kernels, supported, spec.model_type)
+        chosen = _one_loss_kernel(_validate_kernel_names(kernels, supported, spec.model_type))
     elif resolved_plan is not None:
         _validate_kernel_names(resolved_plan.kernels, KERNEL_NAMES, spec.model_type)
-        chosen = tuple(k for k in resolved_plan.kernels if k in supported)
+        chosen = tuple(k for k in _one_loss_kernel(resolved_plan.kernels) if k in supported)
         skipped = {
             k: f"{spec.model_type} ({type(hf_model).__name__}) has no module it applies to"
             for k in resolved_plan.kernels
             if k not in supported
         }
     else:
-        chosen = supported
+        chosen = _default_kernels(hf_model, supported)
+        if "flce" in supported and "flce" not in chosen:
+            skipped["flce"] = _wrapped_head_reason(hf_model.lm_head)
     if flce_chunk is None and flce_memory_budget is None and resolved_plan is not None:
         flce_chunk = resolved_plan.flce_chunk
         flce_memory_budget = resolved_plan.flce_memory_budget
@@ -208,11 +210,7 @@ def apply(
         if modules[kernel]:
             continue
         if kernel == "flce" and head is not None and not forwards.plain_linear(head):
-            skipped[kernel] = (
-                f"lm_head is a {type(head).__module__}.{type(head).__qualname__}, not an "
-                "nn.Linear: FLCE needs the projection's weight, so the loss runs on the head's "
-                "logits"
-            )
+            skipped[kernel] = _wrapped_head_reason(head)
         else:
             skipped[kernel] = "no module of this model uses it"
     applied = AppliedPatch(
@@ -241,7 +239,7 @@ def apply(
 
 def revert(model: nn.Module) -> bool:
     """Restore every forward apply() replaced; True if the model was patched."""
-    hf_model = unwrap(model)
+    hf_model = unwrap(model, caller="memplan.revert")
     state: _State | None = getattr(hf_model, _STATE_ATTR, None)
     if state is None:
         return False
@@ -252,7 +250,7 @@ def revert(model: nn.Module) -> bool:
 
 def applied_patch(model: nn.Module) -> AppliedPatch | None:
     """What apply() did to this model, or None if it is not patched."""
-    state: _State | None = getattr(unwrap(model), _STATE_ATTR, None)
+    state: _State | None = getattr(unwrap(model, caller="applied_patch"), _STATE_ATTR, None)
     return state.applied if state is not None else None
 
 
@@ -278,8 +276,9 @@ def accelerate_wrapped(module: nn.Module) -> bool:
     return _ACCELERATE_WRAPPED in module.__dict__
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside PEFT, DDP/FSDP/DataParallel and torch.compile wrappers."""
+def unwrap(model: nn.Module, caller: str = "memplan.apply") -> nn.Module:
+    """The transformers model inside PEFT, DDP/FSDP/DataParallel and torch.compile wrappers;
+    `caller` names the function in the error for anything else."""
     from transformers import PreTrainedModel
 
     current = model
@@ -295,7 +294,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         else:
             break
     raise UsageError(
-        "memplan.apply takes a transformers causal LM (or a PEFT, DDP or torch.compile wrapper "
+        f"{caller} takes a transformers causal LM (or a PEFT, DDP or torch.compile wrapper "
         f"of one), not {type(model).__name__}"
     )
 
@@ -597,6 +596,32 @@ def _decoder_layer_targets(
         forward = forwards.decoder_layer_forward(layer_spec, spec.norm, norm_kernels, wiring)
         result.append(_Target(name, layer, ("rms_norm",), forward))
     return result
+
+
+def _one_loss_kernel(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The kernels as given, with at most one loss kernel (as `memplan advise` takes them)."""
+    if "cross_entropy" in names and "flce" in names:
+        raise UsageError(
+            "kernels cross_entropy and flce both compute the loss; pick one "
+            "(flce also fuses the lm_head and never materializes the logits)"
+        )
+    return names
+
+
+def _default_kernels(hf_model: nn.Module, supported: tuple[str, ...]) -> tuple[str, ...]:
+    """Every supported kernel with one loss kernel: flce, or cross_entropy where the lm_head is
+    not a plain projection (an adapter on it) and FLCE cannot read its weight."""
+    head = getattr(hf_model, "lm_head", None)
+    fused = head is None or forwards.plain_linear(head)
+    drop = "cross_entropy" if fused else "flce"
+    return tuple(k for k in supported if k != drop)
+
+
+def _wrapped_head_reason(head: nn.Module) -> str:
+    return (
+        f"lm_head is a {type(head).__module__}.{type(head).__qualname__}, not an nn.Linear: "
+        "FLCE needs the projection's weight, so the loss runs on the head's logits"
+    )
 
 
 def _loss_kernels(hf_model: nn.Module, chosen: tuple[str, ...]) -> tuple[str, ...]:

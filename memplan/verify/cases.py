@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import UsageError
+from memplan.errors import UsageError, option_error
 from memplan.estimators.params import default_lora_targets
 from memplan.schema import (
     KERNEL_NAMES,
@@ -169,6 +169,8 @@ def advised_plan(spec: ModelSpec, setup: TrainSetup, kernels: str, gpu: Gpu | No
     from memplan.advisor import advise
 
     options = {name: getattr(setup, name) for name in SETUP_OPTIONS}
+    if not setup.lora_rank:
+        options.pop("lora_targets")  # TrainSetup's default, meaningless without a rank
     return advise(spec, batch=setup.batch, seq=setup.seq, kernels=kernels, gpu=gpu, **options).plan
 
 
@@ -256,7 +258,9 @@ def plan_cases(
             f"unknown setup option {', '.join(unknown)}; valid: {', '.join(SETUP_OPTIONS)}"
         )
     if steps < 3:
-        raise UsageError(f"the protocol measures at least 3 steps, got --steps {steps}")
+        raise option_error(
+            "the protocol measures at least 3 steps, got {} {value}", "steps", value=steps
+        )
     if isinstance(plan, Advice):
         plan = plan.plan
     gpu_spec = resolve_gpu(gpu, gpu_mem)

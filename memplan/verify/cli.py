@@ -28,7 +28,7 @@ def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except MemplanError as exc:
             if os.environ.get("MEMPLAN_DEBUG") == "1":
                 raise
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Error: {getattr(exc, 'cli_message', None) or exc}", err=True)
             # SystemExit, not ctx.exit: click's main(standalone_mode=False) turns Exit into a
             # return value that the caller may drop
             sys.exit(exc.exit_code)
@@ -161,6 +161,7 @@ def verify_command(**opts: Any) -> None:
     from memplan.verify.cases import parse_sweeps, plan_cases
 
     lora_rank = positive_int("--lora-rank", opts["lora_rank"])
+    _check_out(opts["out"])
     planned = plan_cases(
         opts["model"] or _missing("--model"),
         batch=positive_int("--batch", opts["batch"], required=True),
@@ -208,9 +209,12 @@ def _show(report: Report, opts: dict[str, Any]) -> None:
 
     if opts["out"]:
         Path(opts["out"]).write_text(report.model_dump_json(indent=1))
+    from memplan.cli import _reader_left
+
     console = Console()
     if not console.is_terminal:  # piped into a file: no wrapping at 80 columns
         console = Console(width=240)
+    console.on_broken_pipe = _reader_left  # type: ignore[method-assign]
     if opts["as_json"]:
         click.echo(report.model_dump_json(indent=2))
     else:
@@ -223,6 +227,17 @@ def _show(report: Report, opts: dict[str, Any]) -> None:
     for m in report.measurements:
         for warning in measurement_warnings(m):
             click.echo(f"Warning: {m.case}: {warning}", err=True)
+
+
+def _check_out(path: str | None, option: str = "--out") -> None:
+    """Refuse, before any work, a file that could not be written at the end."""
+    if path is None:
+        return
+    folder = Path(path).expanduser().parent
+    if not folder.is_dir():
+        raise UsageError(f"{option} {path}: the folder {folder} does not exist")
+    if Path(path).is_dir():
+        raise UsageError(f"{option} {path} is a folder; give a file name")
 
 
 def _missing(option: str) -> Any:
@@ -300,6 +315,9 @@ def report_command(
 
     if plot and not out:
         raise UsageError("--plot writes PNG files next to the report: give --out report.md")
+    if timeline_case is not None and not plot:
+        raise UsageError("--timeline-case chooses the timeline of --plot: give --plot too")
+    _check_out(out)
     report = load_reports(results)
     if recompute:
         from memplan.verify.predict import attach_prediction

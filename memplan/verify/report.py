@@ -124,7 +124,8 @@ def error_stats(measurements: Iterable[Measurement], *, step1: bool = False) -> 
 
 
 def load_reports(paths: Sequence[str | Path]) -> Report:
-    """One Report holding the measurements of every file, in order."""
+    """One Report holding the measurements of every file, in order. A file that cannot be read,
+    is not UTF-8 JSON, is not a results file or holds a negative size is one MemplanError."""
     if not paths:
         raise MemplanError("give at least one results file (written by memplan verify --out)")
     measurements: list[Measurement] = []
@@ -132,7 +133,11 @@ def load_reports(paths: Sequence[str | Path]) -> Report:
     for path in paths:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise MemplanError(
+                f"{path} is not a memplan results file (not UTF-8 text: byte {exc.start})"
+            ) from None
         except OSError as exc:
             raise MemplanError(f"cannot read {path}: {exc.strerror or exc}") from None
         try:
@@ -141,14 +146,45 @@ def load_reports(paths: Sequence[str | Path]) -> Report:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise MemplanError(
-                f"{path} is not a memplan results file ({where}: {first['msg']})"
+                f"{path} is not a memplan results file "
+                f"({f'{where}: ' if where else ''}{first['msg']})"
             ) from None
         if not report.measurements:  # {} or another JSON object validates to an empty Report
             raise MemplanError(f"{path} is not a memplan results file (no measurements)")
+        for i, m in enumerate(report.measurements):
+            _check_sizes(path, i, m)
         measurements.extend(report.measurements)
         if report.label and report.label not in labels:
             labels.append(report.label)
     return Report(label=" / ".join(labels) or None, measurements=measurements)
+
+
+_MEASURED_SIZES = (
+    "after_model_bytes",
+    "peak_step1_bytes",
+    "peak_bytes",
+    "reserved_bytes",
+    "end_allocated_bytes",
+    "oom_above_bytes",
+)
+_PREDICTED_SIZES = ("peak_bytes", "peak_step1_bytes")
+
+
+def _check_sizes(path: Path, index: int, m: Measurement) -> None:
+    """Bytes are never negative: a negative one is a damaged or hand-edited file, whose error
+    percentages would be meaningless (-387712911460%)."""
+    sizes = [(f"measurements.{index}.{f}", getattr(m, f)) for f in _MEASURED_SIZES]
+    if m.predicted is not None:
+        sizes += [
+            (f"measurements.{index}.predicted.{f}", getattr(m.predicted, f))
+            for f in _PREDICTED_SIZES
+        ]
+    for where, value in sizes:
+        if value is not None and value < 0:
+            raise MemplanError(
+                f"{path} is not a valid memplan results file ({where} is {value:,} bytes; "
+                "a memory size cannot be negative)"
+            )
 
 
 def gib(value: int | None) -> str:

@@ -80,7 +80,7 @@ def test_applied_patch_reports_modules_and_chunk():
     model = build("gemma3_text")
     applied = mp.apply(model, flce_chunk=8)
     assert applied.model_type == "gemma3_text"
-    assert applied.kernels == ("rms_norm", "rope", "geglu", "cross_entropy", "flce", "embedding")
+    assert applied.kernels == ("rms_norm", "rope", "geglu", "flce", "embedding")
     # 4 norms per layer + q_norm/k_norm per layer + the final norm
     assert len(applied.modules["rms_norm"]) == 2 * 6 + 1
     assert applied.modules["rope"] == ("model.layers.0.self_attn", "model.layers.1.self_attn")

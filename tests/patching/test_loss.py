@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import memplan.patching as mp
+from memplan.errors import UsageError
+from memplan.schema import Plan
 
 from .tiny_models import assert_grads_close, batch, pair, rel_err
 
@@ -55,12 +57,34 @@ def test_cross_entropy_kernel_without_flce(family):
 
 def test_lm_head_that_is_not_a_linear_goes_through_the_ce_kernel():
     reference, patched = pair("llama")
-    mp.apply(patched, kernels=["cross_entropy", "flce"])
+    mp.apply(patched, kernels=["cross_entropy"])
     for model in (reference, patched):
         model.lm_head = torch.nn.Sequential(model.lm_head)
     out_ref, out_pat = loss_and_grads(reference, patched)
     assert rel_err(out_pat.loss, out_ref.loss) <= 1e-5
     assert_grads_close(reference, patched, 1e-5)
+
+
+def test_lm_head_replaced_after_apply_gets_the_plain_loss():
+    """flce alone, the default: a head that stops being a plain projection after apply gets
+    Hugging Face's loss on its logits."""
+    reference, patched = pair("llama")
+    assert mp.apply(patched).kernels == ("rms_norm", "rope", "swiglu", "flce", "embedding")
+    for model in (reference, patched):
+        model.lm_head = torch.nn.Sequential(model.lm_head)
+    out_ref, out_pat = loss_and_grads(reference, patched)
+    assert rel_err(out_pat.loss, out_ref.loss) <= 1e-5
+    assert_grads_close(reference, patched, 1e-5)
+
+
+def test_both_loss_kernels_are_refused_as_on_the_command_line():
+    """apply switched on cross_entropy and flce together, which `memplan advise` refuses."""
+    model = pair("llama")[1]
+    with pytest.raises(UsageError, match="cross_entropy and flce both compute the loss"):
+        mp.apply(model, kernels=["cross_entropy", "flce"])
+    with pytest.raises(UsageError, match="cross_entropy and flce both compute the loss"):
+        mp.apply(model, Plan(kernels=("rms_norm", "cross_entropy", "flce")))
+    assert mp.applied_patch(model) is None
 
 
 def test_tied_embeddings_get_both_gradients():

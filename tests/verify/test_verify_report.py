@@ -75,7 +75,7 @@ def test_figures_are_written_next_to_the_report(report, tmp_path):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     text = render_markdown(report, figures=figures)
-    assert "![predicted against measured peak, ±2% band](report_accuracy.png)" in text
+    assert "(report_accuracy.png)" in text and "against the goal (±4% per case)" in text
 
 
 def test_timeline_case_is_the_one_with_both_timelines(report):
