@@ -1,16 +1,23 @@
 """Choose kernels, the FLCE chunk size, micro-batching and checkpointing from predicted peaks.
 
-Every decision here compares estimates of the same step; nothing is measured. Imports neither
-torch nor transformers, so `memplan advise` answers in well under a second."""
+Every decision here compares estimates of the same step; nothing is measured. A setup fits when
+its step, replayed through the model of PyTorch's caching allocator with the GPU's capacity (less
+any safety margin), completes (fits). Imports neither torch nor transformers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from memplan.catalog import gpu_notes, resolve_gpu, resolve_model_input, substituted_entry
+from memplan.catalog import (
+    gpu_notes,
+    parse_memory,
+    resolve_gpu,
+    resolve_model_input,
+    substituted_entry,
+)
 from memplan.errors import UsageError, option_error
-from memplan.estimators import estimate
+from memplan.estimators import estimate, predict_reserved
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import DtypePlan
 from memplan.estimators.params import (
@@ -28,18 +35,24 @@ from memplan.schema import (
     MemoryEstimate,
     ModelSpec,
     Plan,
+    ReservedPrediction,
     Suggestion,
     TrainSetup,
     make_setup,
 )
 
-# The caching allocator reserves more than it hands out (fragmentation): the protocol's
-# reference runs reserved 1.04x (fused loss) to 1.13x (HF loss) their allocated peak. A plan
-# fits when its predicted allocated peak stays under this share of the allocator's memory.
-ALLOCATOR_MARGIN = 0.90
-
 # largest_batch stops its search here (about a million sequences); render says "at least".
 MAX_BATCH_SEARCHED = MAX_BATCH
+
+# Suggestions that change how the step runs, not what it computes.
+EXPANDABLE_TEXT = (
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation of the allocator's cache "
+    "decides the fit; no cost in speed)"
+)
+FUSED_ADAMW_TEXT = (
+    "fused AdamW: torch.optim.AdamW(..., fused=True), the Trainer's optim='adamw_torch_fused' "
+    "(the default foreach step's temporaries decide the fit)"
+)
 
 # Past a few thousand rows a chunk's (rows x hidden) @ (hidden x vocab) GEMM runs near the
 # matmul peak already; larger chunks only add logits memory (benchmarks/bench_loss.py).
@@ -106,13 +119,98 @@ def best_kernel_set(supported: Iterable[str]) -> tuple[str, ...]:
     return tuple(k for k in KERNEL_NAMES if k in chosen)
 
 
-def usable_bytes(gpu: Gpu) -> int:
-    return int((gpu.memory_bytes - gpu.context_bytes) * ALLOCATOR_MARGIN)
+def judge(
+    spec: ModelSpec, setup: TrainSetup, gpu: Gpu, predicted: MemoryEstimate | None = None
+) -> MemoryEstimate:
+    """The estimate with its reserved-memory verdict on `gpu` (gpu.capacity: what the allocator
+    may reserve). A step whose allocated peak exceeds the capacity cannot run, whatever the
+    fragmentation (reserved >= allocated): it is judged without the replay."""
+    predicted = predicted or estimate(spec, setup, gpu)
+    if predicted.peak_bytes > gpu.capacity:
+        reserved = ReservedPrediction(
+            capacity_bytes=gpu.capacity,
+            expandable_segments=setup.expandable_segments,
+            runs=False,
+            reserved_bytes=gpu.capacity,
+            oom_phase=predicted.peak_phase,
+            oom_label=predicted.peak_label,
+        )
+    else:
+        reserved = predict_reserved(spec, setup, gpu)
+    return predicted.model_copy(update={"reserved": reserved})
 
 
-def fits(estimate: MemoryEstimate, gpu: Gpu) -> bool:
-    """Whether the estimated step runs on the GPU: the one verdict every decision here uses."""
-    return estimate.peak_bytes <= usable_bytes(gpu)
+def fits(estimate: MemoryEstimate) -> bool:
+    """Whether a judged step runs: the one verdict every decision here uses."""
+    return estimate.reserved is not None and estimate.reserved.runs
+
+
+def runs(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> bool:
+    return fits(judge(spec, setup, gpu))
+
+
+def largest_passing(passes: Callable[[int], bool], ceiling: int, low: int = 0) -> int:
+    """The largest n in (low, ceiling] that passes, `low` when none does, for a predicate that
+    holds up to some n and not after: doubling from low + 1, then bisection."""
+    if ceiling <= low or not passes(low + 1):
+        return low
+    good = low + 1
+    while True:
+        high = min(low + 2 * (good - low), ceiling)
+        if high == good:
+            return good
+        if not passes(high):
+            break
+        good = high
+    while high - good > 1:
+        middle = (good + high) // 2
+        good, high = (middle, high) if passes(middle) else (good, middle)
+    return good
+
+
+def largest_running(
+    allocated_fits: Callable[[int], bool], replay_runs: Callable[[int], bool], ceiling: int
+) -> int:
+    """The largest n <= ceiling whose step runs. Allocated peaks (cheap) bound it from above,
+    since reserved memory is at least the allocated peak; replays (dear) confirm the bound or,
+    where fragmentation decides, search below it, nearest first."""
+    top = largest_passing(allocated_fits, ceiling)
+    if top == 0 or replay_runs(top):
+        return top
+    step, below = 1, top
+    while below - step >= 1 and not replay_runs(below - step):
+        below, step = below - step, 2 * step
+    if below - step < 1:
+        return largest_passing(replay_runs, below - 1) if below > 1 else 0
+    return largest_passing(replay_runs, below - 1, low=below - step)
+
+
+def parse_safety_margin(value: str | int | None, gpu: Gpu) -> int:
+    """Bytes kept free of the allocator's capacity: None (none), bytes, a size ("2GiB") or a
+    share of the capacity ("5%")."""
+    if value is None:
+        return 0
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 <= share < 100:
+            raise option_error(
+                "{} must be a share from 0% to under 100%, got {value!r}",
+                "safety_margin",
+                value=value,
+            )
+        return int(gpu.capacity * share / 100)
+    try:
+        return 0 if text in ("0", "none") else parse_memory(text)
+    except UsageError:
+        raise option_error(
+            "{} must be a size such as 2GiB or a share such as 5%, got {value!r}",
+            "safety_margin",
+            value=value,
+        ) from None
 
 
 def choose_flce(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> dict[str, int | None]:
@@ -136,7 +234,7 @@ def choose_flce(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> dict[str, int |
             schedule="one_pass_fp32_acc",
         )
         fast = {"flce_chunk": None, "flce_memory_budget": budget}
-        if fits(estimate(spec, setup.model_copy(update=fast), gpu), gpu):
+        if runs(spec, setup.model_copy(update=fast), gpu):
             return fast
     return {"flce_chunk": choose_flce_chunk(spec, setup, gpu), "flce_memory_budget": None}
 
@@ -152,17 +250,17 @@ def choose_flce_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> int:
     formula = kc.flce_default_chunk(tokens, spec.hidden_size, spec.vocab_size)
     top = max(formula, min(FLCE_CHUNK_CAP, 1 << max(0, (tokens - 1).bit_length())))
 
-    def fits_with(exponent: int) -> bool:
-        trial = setup.model_copy(update={"flce_chunk": 1 << exponent})
-        return fits(estimate(spec, trial, gpu), gpu)
+    def trial(exponent: int) -> TrainSetup:
+        return setup.model_copy(update={"flce_chunk": 1 << exponent})
 
-    low, high = min(64, formula).bit_length() - 1, top.bit_length() - 1
-    if not fits_with(low):
-        return formula  # smaller chunks only help if they make the step fit
-    while low < high:  # fits_with(low) holds
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits_with(middle) else (low, middle - 1)
-    return 1 << low
+    first = min(64, formula).bit_length() - 1
+    best = largest_running(
+        lambda n: estimate(spec, trial(first + n - 1), gpu).peak_bytes <= gpu.capacity,
+        lambda n: runs(spec, trial(first + n - 1), gpu),
+        top.bit_length() - first,
+    )
+    # smaller chunks only help if they make the step fit
+    return 1 << (first + best - 1) if best else formula
 
 
 def largest_batch(
@@ -172,24 +270,33 @@ def largest_batch(
     for each batch as advise chooses it (0 if not even batch 1; `ceiling` when that fits).
     The bisection ends on a batch that fits next to one that does not."""
 
-    def fits_at(batch: int) -> bool:
-        trial = lightest_flce(spec, setup.model_copy(update={"batch": batch}))
-        return fits(estimate(spec, trial, gpu), gpu)
+    def trial(batch: int) -> TrainSetup:
+        return lightest_flce(spec, setup.model_copy(update={"batch": batch}))
 
-    if not fits_at(1):
-        return 0
-    low = 1
-    while True:
-        high = min(2 * low, ceiling)
-        if high == low:
-            return ceiling
-        if not fits_at(high):
-            break
-        low = high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits_at(middle) else (low, middle)
-    return low
+    return largest_running(
+        lambda b: estimate(spec, trial(b), gpu).peak_bytes <= gpu.capacity,
+        lambda b: runs(spec, trial(b), gpu),
+        ceiling,
+    )
+
+
+# largest_seq searches multiples of this many tokens (what training scripts pick anyway).
+SEQ_STEP = 64
+
+
+def largest_seq(spec: ModelSpec, setup: TrainSetup, gpu: Gpu, ceiling: int) -> int:
+    """The largest sequence length, a multiple of SEQ_STEP tokens, that fits at this batch and
+    these kernels, FLCE's setting chosen as for largest_batch (0 if not even SEQ_STEP tokens;
+    `ceiling` rounded down when that fits)."""
+
+    def trial(steps: int) -> TrainSetup:
+        return lightest_flce(spec, setup.model_copy(update={"seq": steps * SEQ_STEP}))
+
+    return SEQ_STEP * largest_running(
+        lambda n: estimate(spec, trial(n), gpu).peak_bytes <= gpu.capacity,
+        lambda n: runs(spec, trial(n), gpu),
+        ceiling // SEQ_STEP,
+    )
 
 
 def advise(
@@ -210,6 +317,7 @@ def advise(
     flce_chunk: int | None = None,
     trust_remote_code: bool = False,
     expandable_segments: bool = False,
+    safety_margin: str | int | None = None,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on.
 
@@ -217,7 +325,10 @@ def advise(
     transformers config or model (its config; the setup comes from these arguments), or a
     ModelSpec. lora_targets (a list, or a comma-separated string as on the command line) needs
     lora_rank, defaults to default_lora_targets(spec) and must name linears of the architecture.
-    Sizes past memplan.limits' bounds are errors that say the bound and why."""
+    expandable_segments: the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+    safety_margin: bytes (or a size such as "2GiB", or a share such as "5%" of the capacity)
+    kept free of the allocator's capacity. Sizes past memplan.limits' bounds are errors that say
+    the bound and why."""
     check_setup(
         batch=batch, seq=seq, grad_accum=grad_accum, lora_rank=lora_rank, flce_chunk=flce_chunk
     )
@@ -228,6 +339,18 @@ def advise(
     spec, notes = resolve_model_input(model, trust_remote_code=trust_remote_code)
     check_spec(spec)
     gpu_spec = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu, gpu_mem)
+    margin = parse_safety_margin(safety_margin, gpu_spec)
+    if margin >= gpu_spec.capacity:
+        raise option_error(
+            "{} of {margin:,} B leaves nothing of the {capacity:,} B the allocator can reserve",
+            "safety_margin",
+            margin=margin,
+            capacity=gpu_spec.capacity,
+        )
+    display_gpu, gpu_spec = (
+        gpu_spec,
+        gpu_spec.model_copy(update={"capacity_bytes": gpu_spec.capacity - margin}),
+    )
     if isinstance(lora_targets, str):
         lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
     targets = (
@@ -278,9 +401,10 @@ def advise(
         update={"kernels": chosen, "flce_chunk": flce_chunk if "flce" in chosen else None}
     )
     max_batch = largest_batch(spec, setup, gpu_spec)
+    max_seq = largest_seq(spec, setup, gpu_spec, max(seq, spec.max_position_embeddings))
     setup = with_flce_choice(spec, setup, gpu_spec)
     result = estimate(spec, setup, gpu_spec)
-    limit = usable_bytes(gpu_spec)
+    result = result.model_copy(update={"reserved": predict_reserved(spec, setup, gpu_spec)})
     plan = Plan(
         kernels=chosen,
         flce_chunk=setup.flce_chunk,
@@ -295,22 +419,25 @@ def advise(
     compared = [plan_row if o.kernels == chosen else o for o in options]
     if chosen not in {o.kernels for o in options}:
         compared.append(plan_row)
-    fit = fits(result, gpu_spec)
+    fit = fits(result)
+    assert result.reserved is not None
     return Advice(
         model=spec.name or spec.model_type,
         setup=setup,
-        gpu=gpu_spec,
+        gpu=display_gpu,
+        safety_margin_bytes=margin,
         peak_bytes=result.peak_bytes,
         estimate=result,
         plan=plan,
         fits=fit,
-        headroom_bytes=limit - result.peak_bytes,
+        headroom_bytes=result.reserved.headroom_bytes,
         kernel_options=compared,
         kernel_savings=kernel_savings(spec, setup, gpu_spec, result.peak_bytes),
         suggestions=[]
         if fit
-        else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk),
+        else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk, judged=result),
         max_batch=max_batch,
+        max_seq=max_seq,
         warnings=warnings,
     )
 
@@ -359,6 +486,7 @@ def suggestions(
     most: int = 4,
     *,
     flce_chunk: int | None = None,
+    judged: MemoryEstimate | None = None,
 ) -> list[Suggestion]:
     """Changes that make the step fit, in order of what they cost in speed or in what is
     trained: the full kernel set (faster, when the setup's kernels are not it already), then,
@@ -366,7 +494,10 @@ def suggestions(
     full set. Each keeps the setup's kernels unless its description says it changes them, and
     names every change: kernels, micro-batch and accumulation steps, checkpointing, LoRA, and
     FLCE's setting (chosen as advise chooses it, said when that replaces the user's
-    `flce_chunk`). Each with its predicted peak; when nothing fits, the closest."""
+    `flce_chunk`). Each with its predicted peak; when nothing fits, the closest. Before these,
+    what costs no speed when it decides the fit (`judged`: the setup's verdict): expandable
+    segments when the allocated peak fits but fragmentation does not, and fused AdamW when the
+    foreach step's temporaries run out of memory."""
     full = best_kernel_set(supported)
     own = setup.kernels
     sequences = setup.batch * setup.grad_accum
@@ -385,6 +516,12 @@ def suggestions(
             )
     switch = f"kernels {', '.join(full) or 'none'} instead of {', '.join(own) or 'none'}"
     ladder: list[tuple[list[str], tuple[str, ...], dict[str, Any]]] = []
+    judged = judged or judge(spec, setup, gpu)
+    assert judged.reserved is not None
+    if not setup.expandable_segments and judged.peak_bytes <= gpu.capacity:
+        ladder.append(([EXPANDABLE_TEXT], own, {"expandable_segments": True}))
+    if setup.optimizer == "adamw" and judged.reserved.oom_phase == "optimizer":
+        ladder.append(([FUSED_ADAMW_TEXT], own, {"optimizer": "adamw-fused"}))
     if full != own:
         ladder.append(([switch], full, {}))
     ladder.append(([], own, {}))  # micro-batching alone
@@ -397,10 +534,19 @@ def suggestions(
         trial = setup.model_copy(
             update={"kernels": kernels, "flce_chunk": None, "flce_memory_budget": None, **change}
         )
-        # Only divisors up to the largest batch that fits can fit (and no more than a million
-        # sequences per micro-batch are searched).
+        # Only divisors up to the largest batch whose allocated peak fits can fit (reserved
+        # memory is at least that); each is judged by replay, largest first.
         ceiling = min(setup.batch, MAX_BATCH_SEARCHED)
-        bound = max(1, largest_batch(spec, trial, gpu, ceiling=ceiling))
+        bound = max(
+            1,
+            largest_passing(
+                lambda b, t=trial: estimate(
+                    spec, lightest_flce(spec, t.model_copy(update={"batch": b})), gpu
+                ).peak_bytes
+                <= gpu.capacity,
+                ceiling,
+            ),
+        )
         for micro in _divisors_desc(setup.batch, bound):
             candidate = with_flce_choice(
                 spec,
@@ -414,14 +560,15 @@ def suggestions(
                 parts.append(f"memplan's FLCE setting instead of your chunk of {flce_chunk} rows")
             if not parts:
                 continue  # the setup as it is: it does not fit
-            predicted = estimate(spec, candidate, gpu)
-            fit = fits(predicted, gpu)
+            predicted = judge(spec, candidate, gpu)
+            fit = fits(predicted)
             tried.append(
                 Suggestion(
                     description="; ".join(parts),
                     setup=candidate,
                     peak_bytes=predicted.peak_bytes,
                     fits=fit,
+                    reserved_bytes=predicted.reserved.reserved_bytes if predicted.reserved else 0,
                 )
             )
             if fit:

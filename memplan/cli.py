@@ -86,6 +86,15 @@ def cli() -> None:
     "--kernels leaves flce out",
 )
 @click.option("--trust-remote-code", is_flag=True, help="let a hub id's config run its own code")
+@click.option(
+    "--alloc-conf",
+    help="PYTORCH_CUDA_ALLOC_CONF of the training run (default: this environment's), e.g. "
+    "expandable_segments:True",
+)
+@click.option(
+    "--safety-margin",
+    help="memory to keep free of the allocator's capacity: a size (2GiB) or a share (5%%)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 @click.option(
     "--verbose", "-v", is_flag=True, help="add the breakdown, kernel and suggestion tables"
@@ -98,6 +107,12 @@ def advise(**opts: Any) -> None:
     targets = opts["lora_targets"]
     if targets is not None:
         targets = [t.strip() for t in targets.split(",") if t.strip()]
+    from memplan.estimators.allocator import parse_alloc_conf
+
+    # The run's allocator setting, as PyTorch itself reads it from the environment.
+    conf = opts["alloc_conf"]
+    if conf is None:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     advice = run_advise(
         opts["model"],
         positive_int("--batch", opts["batch"]),
@@ -114,6 +129,8 @@ def advise(**opts: Any) -> None:
         kernels=opts["kernels"],
         flce_chunk=positive_int("--flce-chunk", opts["flce_chunk"]),
         trust_remote_code=opts["trust_remote_code"],
+        expandable_segments=parse_alloc_conf(conf),
+        safety_margin=opts["safety_margin"],
     )
     if opts["as_json"]:
         click.echo(advice.model_dump_json(indent=2))
@@ -187,7 +204,8 @@ def gpus(as_json: bool) -> None:
             key: {
                 "name": gpu.name,
                 "memory_bytes": gpu.memory_bytes,
-                "context_bytes": gpu.context_bytes,
+                "capacity_bytes": gpu.capacity,
+                "capacity_measured": gpu.capacity_measured,
                 "compute_capability": list(gpu.compute_capability),
                 "default": key == DEFAULT_GPU,
             }

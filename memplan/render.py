@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from memplan.advisor import ALLOCATOR_MARGIN, MAX_BATCH_SEARCHED, usable_bytes
+from memplan.advisor import MAX_BATCH_SEARCHED
 from memplan.catalog import DEFAULT_GPU, resolve_gpu
-from memplan.schema import Advice, TrainSetup
+from memplan.schema import NOMINAL_OUTSIDE_ALLOCATOR, Advice, TrainSetup
 
 GIB = 2**30
 
@@ -63,7 +63,8 @@ def verdict_lines(advice: Advice) -> list[str]:
     """The answer: fits or not, on which GPU, the predicted peak against what is usable, the
     headroom, and when it does not fit, why. Rich markup."""
     setup, est, gpu = advice.setup, advice.estimate, advice.gpu
-    limit = usable_bytes(gpu)
+    limit = capacity(advice)
+    reserved = est.reserved
     default = resolve_gpu(DEFAULT_GPU)
     assumed = " (the default GPU)" if gpu == default else ""
     head = f"[bold]{escape(advice.model)}[/bold], batch {setup.batch} x seq {setup.seq}"
@@ -73,16 +74,38 @@ def verdict_lines(advice: Advice) -> list[str]:
             f"{gib(advice.headroom_bytes)} headroom."
         ]
     else:
+        where = f" ({reserved.oom_phase}, {reserved.oom_label})" if reserved else ""
         lines = [
-            f"{head} on {escape(gpu.name)}{assumed}: [red]does not fit[/red], "
-            f"{gib(-advice.headroom_bytes)} over."
+            f"{head} on {escape(gpu.name)}{assumed}: [red]does not fit[/red], out of memory"
+            f"{escape(where)}."
         ]
+    source = (
+        "measured"
+        if gpu.capacity_measured
+        else f"nominal: {gib(gpu.memory_bytes)} less {gib(NOMINAL_OUTSIDE_ALLOCATOR)} that a "
+        "training process uses outside the allocator, measured on an H100"
+    )
+    margin = (
+        f", less a {gib(advice.safety_margin_bytes)} safety margin"
+        if advice.safety_margin_bytes
+        else ""
+    )
+    allocator = "expandable segments" if setup.expandable_segments else "default settings"
+    if reserved is not None and advice.fits:
+        predicted = f"{gib(advice.peak_bytes)} allocated, {gib(reserved.reserved_bytes)} reserved"
+    else:
+        predicted = f"{gib(advice.peak_bytes)} allocated"
     lines.append(
-        f"Predicted peak {gib(advice.peak_bytes)} allocated; usable {gib(limit)}: "
-        f"{gib(gpu.memory_bytes)} less {gib(gpu.context_bytes)} of CUDA context and a "
-        f"{100 * (1 - ALLOCATOR_MARGIN):.0f}% allocator margin."
+        f"Predicted peak {predicted} (PyTorch's caching allocator, {allocator}, replayed); "
+        f"the allocator can reserve {gib(gpu.capacity)} ({source}){margin}."
     )
     if advice.fits:
+        return lines
+    if advice.peak_bytes <= limit:
+        lines.append(
+            f"Why: the allocated peak fits the {gib(limit)}, but the allocator's cache is too "
+            "fragmented by then to place the next block."
+        )
         return lines
     step = [p for p in est.timeline if p.phase == "optimizer"]
     weights = est.breakdown.get("weights", 0)
@@ -111,9 +134,14 @@ def verdict_lines(advice: Advice) -> list[str]:
     return lines
 
 
-def headroom(advice: Advice, peak_bytes: int) -> int:
-    """What is left of the usable memory at this peak (negative: over)."""
-    return usable_bytes(advice.gpu) - peak_bytes
+def capacity(advice: Advice) -> int:
+    """What the allocator may reserve: the GPU's capacity less the safety margin."""
+    return advice.gpu.capacity - advice.safety_margin_bytes
+
+
+def headroom(advice: Advice, reserved_bytes: int) -> int:
+    """What is left of the capacity at this reserved peak."""
+    return capacity(advice) - reserved_bytes
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -143,9 +171,12 @@ def lora_line(setup: TrainSetup) -> str | None:
 def training_arguments_line(setup: TrainSetup) -> str | None:
     """The Hugging Face TrainingArguments that run the step as predicted, when the plan splits
     the batch or checkpoints (None otherwise)."""
-    if setup.grad_accum == 1 and not setup.grad_checkpointing:
+    fused = setup.optimizer == "adamw-fused"
+    if setup.grad_accum == 1 and not setup.grad_checkpointing and not fused:
         return None
     args = [f"per_device_train_batch_size={setup.batch}"]
+    if fused:
+        args.append('optim="adamw_torch_fused"')
     if setup.grad_accum > 1:
         args.append(f"gradient_accumulation_steps={setup.grad_accum}")
     if setup.grad_checkpointing:
@@ -158,7 +189,12 @@ def training_arguments_line(setup: TrainSetup) -> str | None:
 
 def plan_code(setup: TrainSetup) -> list[str]:
     """Copy-paste lines for the setup: apply, LoRA, TrainingArguments (those that apply)."""
-    lines = [apply_line(setup), lora_line(setup), training_arguments_line(setup)]
+    environment = (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # in the environment, before CUDA starts"
+        if setup.expandable_segments
+        else None
+    )
+    lines = [environment, apply_line(setup), lora_line(setup), training_arguments_line(setup)]
     return [line for line in lines if line]
 
 
@@ -184,8 +220,8 @@ def _todo(advice: Advice) -> list[tuple[str, bool]]:
     lines = [
         (
             f"Do this first: {escape(first.description)}.\n"
-            f"  Predicted {gib(first.peak_bytes)}, {gib(headroom(advice, first.peak_bytes))} "
-            "headroom:",
+            f"  Predicted {gib(first.peak_bytes)} allocated, "
+            f"{gib(headroom(advice, first.reserved_bytes))} headroom:",
             False,
         ),
         *((line, True) for line in plan_code(first.setup)),
@@ -336,7 +372,7 @@ def _suggestions_table(advice: Advice) -> Table:
     table.add_column("predicted peak", justify="right")
     table.add_column("headroom", justify="right")
     for s in advice.suggestions:
-        table.add_row(s.description, gib(s.peak_bytes), gib(headroom(advice, s.peak_bytes)))
+        table.add_row(s.description, gib(s.peak_bytes), gib(headroom(advice, s.reserved_bytes)))
     return table
 
 

@@ -171,14 +171,40 @@ SETUP_OPTIONS = (
 )
 
 
+# GPU memory a training process cannot give the caching allocator, where it was not measured:
+# the CUDA context, loaded kernel modules and library handles, and what the driver keeps from
+# nvidia-smi's total, measured on an H100 80GB (benchmarks/results_gpu_capacity_h100.json).
+NOMINAL_OUTSIDE_ALLOCATOR = 85520809984 - 84209041408
+
+
 class Gpu(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     name: str
-    memory_bytes: int = Field(gt=0)
-    # What the CUDA context and driver take before the allocator sees any memory.
-    context_bytes: int = Field(default=600 * 2**20, ge=0)
+    memory_bytes: int = Field(gt=0)  # nvidia-smi's total
+    # What the caching allocator can reserve in a training process; measured where
+    # capacity_measured, else memory_bytes less NOMINAL_OUTSIDE_ALLOCATOR.
+    capacity_bytes: int | None = Field(default=None, gt=0)
+    capacity_measured: bool = False
     compute_capability: tuple[int, int] = (9, 0)
+
+    @model_validator(mode="after")
+    def _capacity(self) -> Gpu:
+        if self.capacity_bytes is None:
+            nominal = self.memory_bytes - NOMINAL_OUTSIDE_ALLOCATOR
+            if nominal <= 0:
+                raise ValueError(
+                    f"{self.memory_bytes:,} B of GPU memory leave nothing beside the "
+                    f"{NOMINAL_OUTSIDE_ALLOCATOR / 2**20:.0f} MiB a training process uses outside "
+                    "PyTorch's allocator"
+                )
+            object.__setattr__(self, "capacity_bytes", nominal)
+        return self
+
+    @property
+    def capacity(self) -> int:
+        assert self.capacity_bytes is not None
+        return self.capacity_bytes
 
 
 class TimelinePoint(BaseModel):
@@ -187,6 +213,24 @@ class TimelinePoint(BaseModel):
     phase: str
     label: str
     allocated_bytes: int
+
+
+class ReservedPrediction(BaseModel):
+    """The step replayed through the model of PyTorch's caching allocator (estimators/allocator)
+    on a GPU whose allocator can reserve capacity_bytes: whether it runs, and the
+    torch.cuda.max_memory_reserved() it reaches (where it ran out of memory, when it does)."""
+
+    capacity_bytes: int
+    expandable_segments: bool = False
+    runs: bool
+    reserved_bytes: int
+    oom_phase: str | None = None
+    oom_label: str | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.reserved_bytes
 
 
 class MemoryEstimate(BaseModel):
@@ -198,6 +242,7 @@ class MemoryEstimate(BaseModel):
     params: int
     trainable_params: int
     timeline: list[TimelinePoint] = Field(default_factory=list)
+    reserved: ReservedPrediction | None = None
 
 
 class Plan(BaseModel):
@@ -220,24 +265,29 @@ class KernelOption(BaseModel):
 class Suggestion(BaseModel):
     description: str
     setup: TrainSetup
-    peak_bytes: int
+    peak_bytes: int  # allocated
     fits: bool  # advisor.fits of its estimate: False for the closest option when none fits
+    reserved_bytes: int = 0  # predicted reserved peak (where it runs out of memory, if not)
 
 
 class Advice(BaseModel):
     model: str
     setup: TrainSetup
     gpu: Gpu
-    peak_bytes: int
-    estimate: MemoryEstimate
+    # Bytes of the GPU's capacity kept free at the user's request.
+    safety_margin_bytes: int = 0
+    peak_bytes: int  # allocated
+    estimate: MemoryEstimate  # with its reserved-memory verdict
     plan: Plan
-    fits: bool
-    headroom_bytes: int
+    fits: bool  # the step, replayed through the allocator model, runs
+    headroom_bytes: int  # capacity less margin less the predicted reserved peak
     kernel_options: list[KernelOption] = Field(default_factory=list)
     # Bytes the peak would grow by without each of the plan's kernels (0: there for speed).
     kernel_savings: dict[str, int] = Field(default_factory=dict)
     suggestions: list[Suggestion] = Field(default_factory=list)
     max_batch: int | None = None
+    # The largest sequence that fits at this batch, up to the model's max_position_embeddings.
+    max_seq: int | None = None
     warnings: list[str] = Field(default_factory=list)
 
     def __str__(self) -> str:

@@ -13,8 +13,8 @@ from memplan.advisor import (
     choose_flce_chunk,
     largest_batch,
     parse_kernels,
+    runs,
     supported_kernels,
-    usable_bytes,
 )
 from memplan.catalog import resolve_gpu, resolve_model
 from memplan.errors import UsageError
@@ -33,10 +33,10 @@ def rendered(advice) -> str:
 
 def test_gemma_7b_b8_s4096_does_not_fit_an_h100_and_says_what_does() -> None:
     advice = advise("gemma-7b", 8, 4096)
-    limit = usable_bytes(advice.gpu)
-    assert not advice.fits
-    assert advice.headroom_bytes == limit - advice.peak_bytes < 0
-    assert advice.suggestions and advice.suggestions[0].peak_bytes <= limit
+    assert not advice.fits and not advice.estimate.reserved.runs
+    assert advice.peak_bytes > advice.gpu.capacity
+    assert advice.suggestions and advice.suggestions[0].fits
+    assert advice.suggestions[0].reserved_bytes <= advice.gpu.capacity
     for suggestion in advice.suggestions:
         assert estimate(resolve_model("gemma-7b"), suggestion.setup, advice.gpu).peak_bytes == (
             suggestion.peak_bytes
@@ -55,7 +55,8 @@ def test_auto_picks_the_lowest_peak_and_flce_over_cross_entropy() -> None:
     best = min(advice.kernel_options, key=lambda o: o.peak_bytes)
     assert best.kernels == advice.plan.kernels
     # The chunk is then raised into the headroom (larger GEMMs), never past it.
-    assert best.peak_bytes <= advice.peak_bytes <= usable_bytes(advice.gpu)
+    assert best.peak_bytes <= advice.peak_bytes
+    assert advice.fits and advice.estimate.reserved.reserved_bytes <= advice.gpu.capacity
 
 
 def test_kernel_parsing() -> None:
@@ -89,12 +90,8 @@ def test_largest_batch_is_the_boundary() -> None:
     setup = TrainSetup(batch=1, seq=2048)
     best = largest_batch(spec, setup, gpu)
     assert best > 0
-    assert estimate(spec, setup.model_copy(update={"batch": best}), gpu).peak_bytes <= (
-        usable_bytes(gpu)
-    )
-    assert estimate(spec, setup.model_copy(update={"batch": best + 1}), gpu).peak_bytes > (
-        usable_bytes(gpu)
-    )
+    assert runs(spec, setup.model_copy(update={"batch": best}), gpu)
+    assert not runs(spec, setup.model_copy(update={"batch": best + 1}), gpu)
 
 
 def test_long_sequence_is_a_warning() -> None:
@@ -120,7 +117,7 @@ def test_the_largest_batch_accepted_is_answered_with_micro_batches() -> None:
     advice = advise("gemma-7b", 2**20 - 1, 4096)
     assert not advice.fits and advice.max_batch == 0
     assert advice.suggestions[0].fits
-    assert advice.suggestions[0].peak_bytes <= usable_bytes(advice.gpu)
+    assert advice.suggestions[0].reserved_bytes <= advice.gpu.capacity
     setup = advice.suggestions[0].setup
     assert setup.batch * setup.grad_accum == 2**20 - 1
 

@@ -14,16 +14,15 @@ import pytest
 
 from memplan.advisor import (
     FLCE_CHUNK_CAP,
-    MAX_BATCH_SEARCHED,
     advise,
     choose_flce_chunk,
-    fits,
     largest_batch,
-    with_flce_choice,
+    largest_running,
+    lightest_flce,
+    runs,
 )
 from memplan.catalog import resolve_gpu, resolve_model
 from memplan.errors import MemplanError, UsageError
-from memplan.estimators import estimate
 from memplan.estimators import kernel_contracts as kc
 from memplan.limits import MAX_BATCH, MAX_GRAD_ACCUM, MAX_SEQ, MIN_FLCE_CHUNK, SPEC_BOUNDS
 from memplan.schema import TrainSetup
@@ -141,13 +140,13 @@ def test_advise_on_the_largest_accepted_input_answers_within_seconds(model, seq,
 
 
 def _chunk_one_by_one(spec, setup, gpu) -> int:
-    """choose_flce_chunk as it was, halving the chunk one power of two at a time."""
+    """choose_flce_chunk as a plain scan: halving the chunk one power of two at a time."""
     tokens = setup.batch * setup.seq
     formula = kc.flce_default_chunk(tokens, spec.hidden_size, spec.vocab_size)
     top = max(formula, min(FLCE_CHUNK_CAP, 1 << max(0, (tokens - 1).bit_length())))
 
     def fits_with(chunk: int) -> bool:
-        return fits(estimate(spec, setup.model_copy(update={"flce_chunk": chunk}), gpu), gpu)
+        return runs(spec, setup.model_copy(update={"flce_chunk": chunk}), gpu)
 
     chunk = top
     while chunk > formula and not fits_with(chunk):
@@ -158,57 +157,33 @@ def _chunk_one_by_one(spec, setup, gpu) -> int:
     return smallest if fits_with(smallest) else chunk
 
 
-def _largest_batch_searching_flce(spec, setup, gpu) -> int:
-    """largest_batch as it was: FLCE's setting searched at every batch tried."""
+def test_largest_running_is_the_last_that_runs_under_the_allocated_bound() -> None:
+    """The allocated bound (cheap) caps the answer; replays (dear) find it below the bound."""
+    for ceiling in (1, 2, 3, 7, 40):
+        for bound in range(ceiling + 1):
+            for last in range(bound + 1):
+                calls: list[int] = []
 
-    def fits_at(batch: int) -> bool:
-        trial = with_flce_choice(spec, setup.model_copy(update={"batch": batch}), gpu)
-        return fits(estimate(spec, trial, gpu), gpu)
+                def replay(n: int, last: int = last, calls: list[int] = calls) -> bool:
+                    calls.append(n)
+                    return n <= last
 
-    if not fits_at(1):
-        return 0
-    low = 1
-    while True:
-        high = min(2 * low, MAX_BATCH_SEARCHED)
-        if high == low:
-            return high
-        if not fits_at(high):
-            break
-        low = high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits_at(middle) else (low, middle)
-    return low
+                assert largest_running(lambda n, b=bound: n <= b, replay, ceiling) == last
+                assert len(calls) <= 2 * max(1, bound).bit_length() + 2
 
 
-_SEARCH_CASES = list(
-    itertools.product(
-        ["llama-3.2-1b", "gemma-7b", "mixtral-8x7b", "smollm2-135m"],
-        ["t4", "h100"],
-        [128, 4096, 16384],
-        ["bf16", "fp32"],
-        [None, 16],
-    )
+@pytest.mark.parametrize(
+    "model,gpu,seq", [("smollm2-135m", "t4", 4096), ("llama-3.2-1b", "l4", 2048)]
 )
-
-
-@pytest.mark.parametrize("model", ["llama-3.2-1b", "gemma-7b", "mixtral-8x7b", "smollm2-135m"])
-def test_the_searches_find_what_the_one_by_one_searches_found(model) -> None:
-    """The bisections assume the peak grows with the FLCE chunk and with the batch; over these
-    setups they pick the same chunk and the same largest batch as the searches they replace."""
-    spec = resolve_model(model)
-    for _, gpu, seq, precision, lora in (c for c in _SEARCH_CASES if c[0] == model):
-        device = resolve_gpu(gpu)
-        for batch in (1, 8):
-            setup = TrainSetup(
-                batch=batch,
-                seq=seq,
-                precision=precision,
-                lora_rank=lora,
-                kernels=("rms_norm", "flce"),
-            )
-            assert choose_flce_chunk(spec, setup, device) == _chunk_one_by_one(spec, setup, device)
-        setup = TrainSetup(batch=1, seq=seq, precision=precision, lora_rank=lora, kernels=("flce",))
-        assert largest_batch(spec, setup, device) == _largest_batch_searching_flce(
-            spec, setup, device
-        )
+def test_the_searches_find_what_plain_scans_find(model, gpu, seq) -> None:
+    """The FLCE chunk and the largest batch, found by bisection, against plain scans with the
+    same replayed verdict."""
+    spec, device = resolve_model(model), resolve_gpu(gpu)
+    setup = TrainSetup(batch=4, seq=seq, kernels=("rms_norm", "flce"))
+    assert choose_flce_chunk(spec, setup, device) == _chunk_one_by_one(spec, setup, device)
+    setup = TrainSetup(batch=1, seq=seq, kernels=("flce",))
+    best = largest_batch(spec, setup, device)
+    assert best > 0
+    for batch, expected in ((best, True), (best + 1, False)):
+        trial = lightest_flce(spec, setup.model_copy(update={"batch": batch}))
+        assert runs(spec, trial, device) is expected

@@ -1,8 +1,8 @@
 """The shipped GPU catalog (gpus.json), `--gpu NAME` lookup and `--gpu-mem SIZE` parsing.
 
-memory_bytes is the device total as nvidia-smi reports it (MiB * 2**20), which is what
-torch.cuda.get_device_properties().total_memory is meant to match; what the CUDA context takes
-on top is Gpu.context_bytes."""
+memory_bytes is the device total as nvidia-smi reports it (MiB * 2**20); capacity_bytes, where
+an entry has it, is what PyTorch's caching allocator could reserve in a training process on that
+GPU (benchmarks/measure_gpu_capacity.py), and otherwise Gpu derives a nominal one."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from memplan.errors import UsageError
 from memplan.schema import Gpu
@@ -66,6 +68,8 @@ def _gpu(key: str) -> Gpu:
     return Gpu(
         name=entry["name"],
         memory_bytes=entry["memory_bytes"],
+        capacity_bytes=entry.get("capacity_bytes"),
+        capacity_measured="capacity_bytes" in entry,
         compute_capability=tuple(entry["compute_capability"]),
     )
 
@@ -76,22 +80,26 @@ def list_gpus() -> list[tuple[str, Gpu]]:
 
 
 def resolve_gpu(name: str | None = None, memory: str | int | None = None) -> Gpu:
-    """The named GPU (default H100 80GB SXM); `memory` overrides its memory, or alone describes
-    a custom GPU. Raises UsageError when the memory leaves nothing beside the CUDA context."""
-    if name is None and memory is not None:
-        gpu = Gpu(name=f"custom {memory}", memory_bytes=parse_memory(memory))
-    else:
+    """The named GPU (default H100 80GB SXM); `memory` overrides its memory (its capacity is then
+    nominal), or alone describes a custom GPU. Raises UsageError when the memory leaves nothing
+    for the allocator."""
+    try:
+        if name is None and memory is not None:
+            return Gpu(name=f"custom {memory}", memory_bytes=parse_memory(memory))
         gpu = _gpu(_gpu_key(name) if name is not None else DEFAULT_GPU)
-        if memory is not None:
-            gpu = gpu.model_copy(update={"memory_bytes": parse_memory(memory)})
-    if gpu.memory_bytes <= gpu.context_bytes:
+        if memory is None:
+            return gpu
+        return Gpu(
+            name=gpu.name,
+            memory_bytes=parse_memory(memory),
+            compute_capability=gpu.compute_capability,
+        )
+    except ValidationError as exc:
         bare = str(memory).strip().isdigit()
         raise UsageError(
-            f"the GPU memory {memory!r} is {gpu.memory_bytes:,} B"
+            f"the GPU memory {memory!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}"
             + (" (a bare number counts bytes: give a unit, e.g. 24GiB or 24GB)" if bare else "")
-            + f", no more than the {gpu.context_bytes / 2**20:.0f} MiB the CUDA context takes"
-        )
-    return gpu
+        ) from None
 
 
 def _gpu_key(name: str) -> str:

@@ -26,6 +26,7 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from memplan.errors import UsageError
 from memplan.estimators.events import Event
 
 MIN_BLOCK = 512
@@ -400,3 +401,27 @@ def replay(events: Iterable[Event], settings: AllocatorSettings) -> ReplayResult
             allocator.free(blocks.pop(event.tensor))
         reserved_at.append(allocator.reserved)
     return ReplayResult(allocator.peak_allocated, allocator.peak_reserved, None, reserved_at)
+
+
+# PYTORCH_CUDA_ALLOC_CONF settings that change nothing this model predicts.
+_NEUTRAL_SETTINGS = ("backend", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register")
+
+
+def parse_alloc_conf(text: str) -> bool:
+    """Whether a PYTORCH_CUDA_ALLOC_CONF value ("expandable_segments:True,...") turns expandable
+    segments on; a setting the model does not follow is a UsageError naming it."""
+    expandable = False
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = (piece.strip() for piece in item.partition(":"))
+        if key == "expandable_segments" and value.lower() in ("true", "false"):
+            expandable = value.lower() == "true"
+        elif key == "backend" and value != "native":
+            raise UsageError(
+                f"allocator backend {value!r} is not modelled; only PyTorch's native one"
+            )
+        elif key not in _NEUTRAL_SETTINGS:
+            raise UsageError(
+                f"allocator setting {item!r} is not modelled: memplan predicts the default "
+                "allocator and expandable_segments:True|False"
+            )
+    return expandable

@@ -228,15 +228,18 @@ class Walk:
 
 
 class StepBuilder:
-    """Writes a run's allocations and frees to an EventLog and keeps, for the step being walked,
-    the allocated bytes by category (each allocation rounded as the allocator rounds it) at
-    every marked point."""
+    """Keeps, for the step being walked, the allocated bytes by category (each allocation
+    rounded as the allocator rounds it) at every marked point and, when `record`, writes every
+    allocation and free to an EventLog for the allocator model."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = True) -> None:
         self.log = EventLog()
+        self.record = record
         self.alive: dict[str, int] = {}
         self.walk = Walk()
         self.phase, self.label = "start", "build"
+        self._sizes: dict[int, tuple[int, str]] = {}
+        self._next = 0
 
     def begin_step(self) -> Walk:
         self.walk = Walk()
@@ -246,18 +249,33 @@ class StepBuilder:
         """An allocation of `nbytes` (None for nothing)."""
         if nbytes <= 0:
             return None
-        self.alive[category] = self.alive.get(category, 0) + round_block(nbytes)
-        return self.log.alloc(int(nbytes), category, self.phase, self.label)
+        self.alive[category] = self.alive.get(category, 0) + -(-int(nbytes) // 512) * 512
+        if self.record:
+            return self.log.alloc(int(nbytes), category, self.phase, self.label)
+        self._next += 1
+        self._sizes[self._next] = (int(nbytes), category)
+        return self._next
+
+    def size_of(self, tensor: int) -> tuple[int, str]:
+        return self.log.size_of(tensor) if self.record else self._sizes[tensor]
 
     def alloc_all(self, category: str, sizes: Iterable[int]) -> list[int]:
-        return [t for t in (self.alloc(category, n) for n in sizes) if t is not None]
+        """One allocation per size; without `record`, one for them all (only sums are kept)."""
+        if self.record:
+            return [t for t in (self.alloc(category, n) for n in sizes) if t is not None]
+        total = sum(-(-int(n) // 512) * 512 for n in sizes if n > 0)
+        tensor = self.alloc(category, total)
+        return [] if tensor is None else [tensor]
 
     def free(self, tensor: int | None) -> None:
         if tensor is None:
             return
-        nbytes, category = self.log.size_of(tensor)
-        self.alive[category] -= round_block(nbytes)
-        self.log.free(tensor, self.phase, self.label)
+        nbytes, category = self.size_of(tensor)
+        self.alive[category] -= -(-nbytes // 512) * 512
+        if self.record:
+            self.log.free(tensor, self.phase, self.label)
+        else:
+            del self._sizes[tensor]
 
     def free_all(self, tensors: Iterable[int | None]) -> None:
         for tensor in list(tensors):
@@ -266,10 +284,13 @@ class StepBuilder:
     def retag(self, tensor: int, category: str) -> int:
         """Count a live allocation under another category (a saved output handed on as a
         gradient)."""
-        nbytes, old = self.log.size_of(tensor)
+        nbytes, old = self.size_of(tensor)
         self.alive[old] -= round_block(nbytes)
         self.alive[category] = self.alive.get(category, 0) + round_block(nbytes)
-        self.log.retag(tensor, category)
+        if self.record:
+            self.log.retag(tensor, category)
+        else:
+            self._sizes[tensor] = (nbytes, category)
         return tensor
 
     def at(self, phase: str, label: str) -> None:
@@ -542,12 +563,12 @@ def walk_step(
     embedding_grad = 0 if lora else round_block(sizes.counts.embedding * sizes.param_bytes)
     final_norm_grad = 0 if lora else round_block(sizes.counts.final_norm * sizes.param_bytes)
 
-    def keep_gradient(nbytes: int) -> None:
-        tensor = builder.alloc("gradients", nbytes)
+    def keep_gradients(*nbytes: int) -> None:
+        tensors = builder.alloc_all("gradients", nbytes)
         if accumulating:
-            builder.free(tensor)  # added into the gradient already there
-        elif tensor is not None:
-            run.gradients.append(tensor)
+            builder.free_all(tensors)  # added into the gradients already there
+        else:
+            run.gradients += tensors
 
     builder.mark("start", "weights + optimizer states")
     # Under checkpointing nothing saves the low-precision copies autocast caches of trainable
@@ -561,13 +582,17 @@ def walk_step(
     cache_per_layer = sizes.kv_cache_per_layer if hf_loss and not ckpt and spec.use_cache else 0
     forward_kept = builder.alloc_all("activations", (saved.shared, saved.embedding))
     kv_cache: list[int] = []
-    layer_kept: list[list[int]] = []
+    layer_kept: list[tuple[list[int], list[int]]] = []  # saved before and after attention
     for index, (before, after) in enumerate(saved.layer_entries):
         entries = before + after
         recomputed_later = entries if ckpt else []
         kv_cache += builder.alloc_all("kv_cache", (cache_per_layer // 2, cache_per_layer // 2))
         builder.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
-        layer_kept.append(builder.alloc_all("activations", [sizes.residual] if ckpt else entries))
+        if ckpt:
+            layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
+        else:
+            kept_before = builder.alloc_all("activations", before)
+            layer_kept.append((kept_before, builder.alloc_all("activations", after)))
     final_norm = builder.alloc("activations", saved.final_norm)
     builder.mark("forward", "final norm", [sizes.residual])
 
@@ -637,7 +662,7 @@ def walk_step(
     else:
         if "flce" in kernels:  # under autocast dX and dW are cast to the fp32 inputs' dtype
             builder.mark("backward", "FLCE gradients cast to fp32", sizes.flce_grads_to_fp32)
-        keep_gradient(sizes.lm_head_grad)
+        keep_gradients(sizes.lm_head_grad)
         grad_hidden = builder.alloc("transient", sizes.grad_hidden)
         builder.mark("backward", "lm_head backward")
         builder.free_all(loss_saved)
@@ -652,24 +677,25 @@ def walk_step(
         checkpoint_input: list[int] = []
         if ckpt:  # the recomputed forward's saved tensors, alive through the layer's backward
             builder.at("backward", label)
-            checkpoint_input = layer_kept[index]
-            layer_kept[index] = builder.alloc_all("transient", before + after)
+            checkpoint_input = layer_kept[index][0]
+            layer_kept[index] = (
+                builder.alloc_all("transient", before),
+                builder.alloc_all("transient", after),
+            )
         # The MLP's backward runs first, writing its weights' gradients among its temporaries;
         # by attention's, what the layer saved after attention is freed.
-        n_before = len(layer_kept[index]) - len(after)
+        kept_before, kept_after = layer_kept[index]
         for part, transient, kept in (
-            (gradients.mlp, sizes.mlp_bwd_transient, layer_kept[index][n_before:]),
-            (gradients.attention, sizes.attention_bwd_transient, layer_kept[index][:n_before]),
+            (gradients.mlp, sizes.mlp_bwd_transient, kept_after),
+            (gradients.attention, sizes.attention_bwd_transient, kept_before),
         ):
             builder.at("backward", label)
             held = builder.alloc_all("transient", transient)
-            for nbytes in part:
-                keep_gradient(nbytes)
+            keep_gradients(*part)
             builder.mark("backward", label)
             builder.free_all(held)
             builder.free_all(kept)
-        for nbytes in gradients.norms:
-            keep_gradient(nbytes)
+        keep_gradients(*gradients.norms)
         builder.free_all(checkpoint_input)
     builder.free_all(forward_kept)
     builder.free(grad_hidden)
@@ -690,8 +716,8 @@ def walk_step(
             # The embedding backward's dense gradient, until it is added into the one there.
             builder.mark("backward", "embedding backward", [embedding_grad])
         else:
-            keep_gradient(embedding_grad)
-        keep_gradient(final_norm_grad)
+            keep_gradients(embedding_grad)
+        keep_gradients(final_norm_grad)
     builder.mark("backward", "end of backward")
     return walk
 
@@ -736,7 +762,7 @@ def estimate_step(
     spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None = None, backend: str = "cuda"
 ) -> MemoryEstimate:
     sizes = step_sizes(spec, setup, gpu, backend)
-    walks, _ = walk_run(spec, setup, sizes)
+    walks, _ = walk_run(spec, setup, sizes, steady_steps=1, record=False)
     first, steady = walks
     phase, label, peak_bytes = steady.points[steady.peak_index]
     return MemoryEstimate(
@@ -752,12 +778,18 @@ def estimate_step(
 
 
 def walk_run(
-    spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, steady_steps: int = 2
+    spec: ModelSpec,
+    setup: TrainSetup,
+    sizes: StepSizes,
+    steady_steps: int = 1,
+    record: bool = True,
 ) -> tuple[tuple[Walk, Walk], EventLog]:
     """The protocol's run: the model build, step 1 (no optimizer states yet) and steady steps.
     Returns the walks of step 1 and of the last steady step (each the higher of its first and
-    later micro-steps under gradient accumulation) and the run's event stream."""
-    builder = StepBuilder()
+    later micro-steps under gradient accumulation) and, when `record`, the run's event stream.
+    One steady step predicts the reserved peaks of the recorded traces as well as two or three
+    (tests/data/allocator_traces)."""
+    builder = StepBuilder(record)
     run = build(builder, spec, setup, sizes)
     walks: list[Walk] = []
     for step in range(1 + steady_steps):
