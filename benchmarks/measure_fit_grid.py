@@ -1,0 +1,160 @@
+"""The fit verdict at the edge of a GPU's memory: for each setup, the largest batch (or, where a
+batch step is too coarse, the largest sequence) that advise says fits, and one more, each run in
+a fresh process under the measurement protocol; did it run or run out of memory as predicted,
+and how close is the predicted reserved peak.
+
+    python benchmarks/measure_fit_grid.py predict --gpu h100 --out PREDICTIONS.json
+    python benchmarks/measure_fit_grid.py measure PREDICTIONS.json --out-dir DIR [--only RE]
+
+`predict` needs no GPU: it writes every case with the verdict and reserved peak predicted for
+the catalog GPU, before anything is measured (the first predictions). `measure` runs them one
+after another (each needs the whole GPU) and writes DIR/fit_grid_results.json (a memplan
+Report, re-predicted for the GPU measured) and DIR/fit_grid_report.md after every case."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from memplan.advisor import (  # noqa: E402
+    SEQ_STEP,
+    advise,
+    judge,
+    largest_batch,
+    largest_seq,
+    with_flce_choice,
+)
+from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
+from memplan.schema import Report, VerifyCase  # noqa: E402
+from memplan.verify.protocol import case_name  # noqa: E402
+
+# (model, kernels "auto"|"none", setup options): families, loss paths, precisions,
+# checkpointing, LoRA, eager attention, foreach and fused AdamW, expandable segments.
+SETUPS: list[tuple[str, str, dict[str, Any]]] = [
+    ("llama-3.2-1b", "none", {}),
+    ("llama-3.2-1b", "auto", {}),
+    ("llama-3.2-1b", "none", {"expandable_segments": True}),
+    ("llama-3.2-1b", "none", {"grad_checkpointing": True}),
+    ("llama-3.2-1b", "auto", {"precision": "amp-bf16"}),
+    ("llama-3.2-1b", "none", {"lora_rank": 16}),
+    ("llama-3.2-1b", "auto", {"lora_rank": 16, "grad_checkpointing": True}),
+    ("qwen3-0.6b", "none", {}),
+    ("qwen3-0.6b", "auto", {"optimizer": "adamw-fused"}),
+    ("qwen3-0.6b", "none", {"precision": "amp-bf16"}),
+    ("qwen2.5-1.5b", "none", {}),
+    ("qwen2.5-1.5b", "auto", {"grad_checkpointing": True}),
+    ("gemma-2b", "none", {}),
+    ("gemma-2b", "auto", {}),
+    ("gemma-2-2b", "none", {"attn": "eager"}),
+    ("smollm2-360m", "auto", {"expandable_segments": True}),
+    ("llama-3.2-3b", "auto", {}),
+    ("qwen3-1.7b", "none", {"grad_checkpointing": True}),
+    ("llama-3.1-8b", "none", {"grad_checkpointing": True}),
+    ("llama-3.1-8b", "none", {"grad_checkpointing": True, "optimizer": "adamw-fused"}),
+]
+SEQ = 2048
+# Below this many sequences a batch step moves the peak too far: the edge is found in the
+# sequence length instead.
+MIN_BATCH_EDGE = 10
+
+
+def edge_cases(model: str, kernels: str, options: dict[str, Any], gpu_name: str) -> list[dict]:
+    spec, gpu = resolve_model(model), resolve_gpu(gpu_name)
+    plan = advise(spec, 1, SEQ, gpu=gpu, kernels=kernels, **options).setup
+    base = plan.model_copy(update={"flce_chunk": None, "flce_memory_budget": None})
+    best = largest_batch(spec, base, gpu)
+    if best >= MIN_BATCH_EDGE:
+        points = [{"batch": best, "seq": SEQ}, {"batch": best + 1, "seq": SEQ}]
+    else:
+        batch = max(best, 1)
+        seq = largest_seq(spec, base.model_copy(update={"batch": batch}), gpu, 1 << 20)
+        points = [{"batch": batch, "seq": seq}, {"batch": batch, "seq": seq + SEQ_STEP}]
+    cases = []
+    for point in points:
+        setup = with_flce_choice(spec, base.model_copy(update=point), gpu)
+        judged = judge(spec, setup, gpu)
+        assert judged.reserved is not None
+        name = case_name(spec.name or model, setup)
+        cases.append(
+            {
+                "case": VerifyCase(
+                    case=name,
+                    model=spec.name or model,
+                    model_type=spec.model_type,
+                    hf_config=spec.hf_config,
+                    setup=setup,
+                ).model_dump(mode="json"),
+                "gpu": gpu.name,
+                "capacity_bytes": gpu.capacity,
+                "allocated_bytes": judged.peak_bytes,
+                "runs": judged.reserved.runs,
+                "reserved_bytes": judged.reserved.reserved_bytes,
+                "oom_at": judged.reserved.oom_label,
+            }
+        )
+    return cases
+
+
+def predict(args: argparse.Namespace) -> int:
+    cases = []
+    for model, kernels, options in SETUPS:
+        for case in edge_cases(model, kernels, options, args.gpu):
+            cases.append(case)
+            share = case["allocated_bytes"] / case["capacity_bytes"]
+            print(
+                f"{case['case']['case']}: {'runs' if case['runs'] else 'out of memory'}, "
+                f"allocated {share:.3f} of capacity, reserved {case['reserved_bytes'] / 2**30:.2f}"
+                " GiB",
+                flush=True,
+            )
+    Path(args.out).write_text(json.dumps({"gpu": args.gpu, "cases": cases}, indent=1) + "\n")
+    return 0
+
+
+def measure(args: argparse.Namespace) -> int:
+    from memplan.verify.report import render_markdown
+    from memplan.verify.runner import run_case
+
+    predictions = json.loads(Path(args.predictions).read_text())["cases"]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(label="fit verdict at the edge of GPU memory")
+    for item in predictions:
+        case = VerifyCase.model_validate(item["case"])
+        if args.only and not re.search(args.only, case.case):
+            continue
+        m = run_case(case, timeout_s=args.timeout)
+        report.measurements.append(m)
+        said = "runs" if item["runs"] else "out of memory"
+        print(f"{case.case}: predicted {said}; measured {m.status} {m.error or ''}", flush=True)
+        (out / "fit_grid_results.json").write_text(report.model_dump_json(indent=1))
+    (out / "fit_grid_report.md").write_text(
+        render_markdown(report.measurements, title="Fit verdict at the edge of GPU memory")
+    )
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("predict")
+    p.add_argument("--gpu", default="h100")
+    p.add_argument("--out", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("predictions")
+    m.add_argument("--out-dir", required=True)
+    m.add_argument("--only")
+    m.add_argument("--timeout", type=float, default=120)
+    args = parser.parse_args()
+    return predict(args) if args.command == "predict" else measure(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
