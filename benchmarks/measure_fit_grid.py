@@ -136,7 +136,7 @@ def measure(args: argparse.Namespace) -> int:
         print(f"{case.case}: predicted {said}; measured {m.status} {m.error or ''}", flush=True)
         (out / "fit_grid_results.json").write_text(report.model_dump_json(indent=1))
     (out / "fit_grid_report.md").write_text(
-        render_markdown(report.measurements, title="Fit verdict at the edge of GPU memory")
+        render_markdown(report, title="Fit verdict at the edge of GPU memory")
     )
     return 0
 

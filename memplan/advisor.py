@@ -540,10 +540,12 @@ def suggestions(
         bound = max(
             1,
             largest_passing(
-                lambda b, t=trial: estimate(
-                    spec, lightest_flce(spec, t.model_copy(update={"batch": b})), gpu
-                ).peak_bytes
-                <= gpu.capacity,
+                lambda b, t=trial: (
+                    estimate(
+                        spec, lightest_flce(spec, t.model_copy(update={"batch": b})), gpu
+                    ).peak_bytes
+                    <= gpu.capacity
+                ),
                 ceiling,
             ),
         )

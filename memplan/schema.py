@@ -405,6 +405,25 @@ class Measurement(BaseModel):
 
     @computed_field  # type: ignore[prop-decorator]
     @property
+    def reserved_error_pct(self) -> float | None:
+        """(predicted - measured) / measured of max_memory_reserved, in %, for a case that ran
+        and was predicted to run."""
+        reserved = self.predicted.reserved if self.predicted else None
+        if reserved is None or not reserved.runs or self.status != "ok" or not self.reserved_bytes:
+            return None
+        return 100.0 * (reserved.reserved_bytes - self.reserved_bytes) / self.reserved_bytes
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def verdict_right(self) -> bool | None:
+        """Whether the predicted verdict (runs, or runs out of memory) is what happened."""
+        reserved = self.predicted.reserved if self.predicted else None
+        if reserved is None or self.status not in ("ok", "oom"):
+            return None
+        return reserved.runs == (self.status == "ok")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
     def step1_error_pct(self) -> float | None:
         if self.predicted is None or not self.peak_step1_bytes:
             return None

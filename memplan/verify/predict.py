@@ -30,14 +30,20 @@ def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
 
 
 def predict(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None = None) -> MemoryEstimate:
-    from memplan.estimators import estimate
+    """The allocated peak and, on a known GPU, the reserved peak and out-of-memory verdict."""
+    from memplan.estimators import estimate, predict_reserved
 
-    return estimate(spec, setup, gpu)
+    predicted = estimate(spec, setup, gpu)
+    if gpu is None:
+        return predicted
+    return predicted.model_copy(update={"reserved": predict_reserved(spec, setup, gpu)})
 
 
 def measured_gpu(measurement: Measurement, fallback: Gpu | None = None) -> Gpu | None:
     """The GPU the measurement ran on, from what the child recorded in its env (compute
-    capability and total memory); `fallback` for results written before it did so."""
+    capability and total memory); `fallback` for results written before it did so. Its
+    capacity is the total less what the run held outside the allocator where it recorded that,
+    else the catalog's measured capacity for that device, else nominal."""
     env = measurement.env
     try:
         major, minor = (int(v) for v in env["compute_capability"].split("."))
@@ -45,11 +51,29 @@ def measured_gpu(measurement: Measurement, fallback: Gpu | None = None) -> Gpu |
     except (KeyError, ValueError):
         return fallback
     name = env.get("gpu") or "measured GPU"
-    if fallback is not None:
-        return fallback.model_copy(
-            update={"name": name, "memory_bytes": memory, "compute_capability": (major, minor)}
-        )
-    return Gpu(name=name, memory_bytes=memory, compute_capability=(major, minor))
+    capacity = None
+    if measurement.non_allocator_bytes:
+        capacity = memory - measurement.non_allocator_bytes
+    else:
+        known = _catalog_gpu(name)
+        capacity = known.capacity if known is not None and known.capacity_measured else None
+    return Gpu(
+        name=name,
+        memory_bytes=memory,
+        capacity_bytes=capacity,
+        capacity_measured=capacity is not None,
+        compute_capability=(major, minor),
+    )
+
+
+def _catalog_gpu(device_name: str) -> Gpu | None:
+    from memplan.catalog import resolve_gpu
+    from memplan.errors import UsageError
+
+    try:
+        return resolve_gpu(device_name)
+    except UsageError:
+        return None
 
 
 def attach_prediction(

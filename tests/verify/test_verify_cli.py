@@ -302,7 +302,12 @@ def test_report_recompute_predicts_for_the_gpu_measured(monkeypatch, tmp_path):
     monkeypatch.setattr(predict, "predict", fake)
     monkeypatch.setattr(predict, "spec_from_hf_config", lambda config, name=None: None)
     report = Report.model_validate_json(FIXTURE.read_text())
-    env = {"gpu": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0", "gpu_total_bytes": "85"}
+    total = 85 * 2**30
+    env = {
+        "gpu": "NVIDIA A100-SXM4-80GB",
+        "compute_capability": "8.0",
+        "gpu_total_bytes": str(total),
+    }
     first = report.measurements[0]
     report.measurements[0] = first.model_copy(update={"env": {**first.env, **env}})
     path = tmp_path / "r.json"
@@ -312,7 +317,7 @@ def test_report_recompute_predicts_for_the_gpu_measured(monkeypatch, tmp_path):
     assert (gpus[0].name, gpus[0].compute_capability, gpus[0].memory_bytes) == (
         "NVIDIA A100-SXM4-80GB",
         (8, 0),
-        85,
+        total,
     )
     assert gpus[1] is None  # the fixture's other results say nothing of their GPU
 
