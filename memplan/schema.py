@@ -192,6 +192,8 @@ class MemoryEstimate(BaseModel):
     params: int
     trainable_params: int
     timeline: list[TimelinePoint] = Field(default_factory=list)
+    # analytic: the families' memory contracts; traced: the model's own code run on meta tensors
+    method: Literal["analytic", "traced"] = "analytic"
 
 
 class Plan(BaseModel):
