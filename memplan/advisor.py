@@ -7,8 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from memplan.catalog import resolve_gpu, resolve_model, substituted_entry
-from memplan.errors import UsageError
+from memplan.catalog import (
+    SUPPORTED_MODEL_TYPES,
+    resolve_config,
+    resolve_gpu,
+    spec_from_config,
+    substituted_entry,
+)
+from memplan.errors import MemplanError, UsageError
 from memplan.estimators import estimate
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import DtypePlan
@@ -199,15 +205,15 @@ def advise(
     kernels: str | Iterable[str] | None = "auto",
     flce_chunk: int | None = None,
     trust_remote_code: bool = False,
+    method: str | None = None,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on. lora_targets
     defaults to default_lora_targets(spec) and must name linears of the architecture (a list,
-    or a comma-separated string as on the command line)."""
-    spec = (
-        model
-        if isinstance(model, ModelSpec)
-        else resolve_model(model, trust_remote_code=trust_remote_code)
-    )
+    or a comma-separated string as on the command line). `method`: None picks the analytic
+    contracts for registry families and the traced estimate (memplan.traced) for any other
+    model_type; "analytic" or "traced" forces one."""
+    if method not in (None, "analytic", "traced"):
+        raise UsageError(f"--method must be analytic or traced, got {method!r}")
     gpu_spec = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu, gpu_mem)
     optional = {"lora-rank": lora_rank, "flce-chunk": flce_chunk}
     counts = {"batch": batch, "seq": seq, "grad-accum": grad_accum}
@@ -215,6 +221,34 @@ def advise(
     for name, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {value!r}")
+    if isinstance(model, ModelSpec):
+        config = {**model.hf_config, "model_type": model.model_type}
+        name = model.name or model.model_type
+    else:
+        config, name = resolve_config(model, trust_remote_code=trust_remote_code)
+    unknown = not isinstance(model, ModelSpec) and config.get("model_type") not in (
+        SUPPORTED_MODEL_TYPES
+    )
+    if method == "traced" or (method is None and unknown):
+        return _traced_advice(
+            config,
+            name,
+            batch,
+            seq,
+            gpu=gpu_spec,
+            reason=_traced_reason(config, forced=method == "traced"),
+            precision=precision,
+            optimizer=optimizer,
+            grad_checkpointing=grad_checkpointing,
+            attn=attn,
+            lora_rank=lora_rank,
+            lora_targets=lora_targets,
+            grad_accum=grad_accum,
+            kernels=kernels,
+            flce_chunk=flce_chunk,
+            trust_remote_code=trust_remote_code,
+        )
+    spec = model if isinstance(model, ModelSpec) else spec_from_config(config, name=name)
     if isinstance(lora_targets, str):
         lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
     targets = (
@@ -291,6 +325,31 @@ def advise(
         max_batch=max_batch,
         warnings=warnings,
     )
+
+
+def _traced_reason(config: dict, *, forced: bool) -> str:
+    model_type = config.get("model_type")
+    if forced:
+        return (
+            "estimated by tracing the model's transformers code on meta tensors (--method traced)"
+        )
+    return (
+        f"model_type {model_type!r} has no family entry: estimated by tracing its transformers "
+        "code on meta tensors (method traced); no memplan kernels apply"
+    )
+
+
+def _traced_advice(config: dict, name: str, batch: int, seq: int, **options) -> Advice:
+    """memplan.traced's advice; it imports torch and transformers, which the analytic path
+    never does."""
+    try:
+        from memplan.traced.advise import traced_advice
+    except ImportError as exc:
+        raise MemplanError(
+            f"model_type {config.get('model_type')!r} has no family entry and the traced "
+            f"estimate needs torch and transformers ({exc}): pip install torch transformers"
+        ) from exc
+    return traced_advice(config, name, batch, seq, **options)
 
 
 def kernel_options(

@@ -8,6 +8,7 @@ from memplan.catalog.models import (
     catalog_model,
     list_model_entries,
     list_models,
+    resolve_config,
     resolve_model,
     substituted_entry,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "list_model_entries",
     "list_models",
     "parse_memory",
+    "resolve_config",
     "resolve_gpu",
     "resolve_model",
     "spec_from_config",

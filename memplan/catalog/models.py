@@ -70,17 +70,24 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
     is none of these, or a malformed hub id ('org/bad name'), is a UsageError; a missing path
     (_PATH_PREFIXES, a drive letter, *.json, or two '/' or more), a bad config or a hub id the
     hub does not give is a MemplanError."""
+    config, name = resolve_config(name_or_path, trust_remote_code=trust_remote_code)
+    return spec_from_config(config, name=name)
+
+
+def resolve_config(name_or_path: str, *, trust_remote_code: bool = False) -> tuple[dict, str]:
+    """The config.json dict that resolve_model reads, and the name the model goes by (the
+    catalog key, the path or the hub id as given), without reading it into a ModelSpec."""
     query = name_or_path.strip()
     if not query:
         raise UsageError("the model name is empty (run `memplan models` for the catalog)")
 
     key = _exact_key(query)
     if key is not None:
-        return _catalog_model(key).spec
+        return dict(_entries()[key]["config"]), key
 
     path = Path(query).expanduser()
     if path.exists():
-        return spec_from_config(_read_config(path), name=query)
+        return _read_config(path), query
     # A hub id has one '/': more reads as a relative path (checkpoints/run1/final).
     reads_as_path = _WINDOWS_DRIVE.match(query) or query.endswith(".json") or query.count("/") > 1
     if query.startswith(_PATH_PREFIXES) or reads_as_path:
@@ -88,10 +95,10 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
 
     key = _substring_key(query)
     if key is not None:
-        return _catalog_model(key).spec
+        return dict(_entries()[key]["config"]), key
 
     if "/" in query:
-        return _from_hub(query, trust_remote_code=trust_remote_code)
+        return _hub_config(query, trust_remote_code=trust_remote_code), query
     # Neither a name, nor a path, nor a hub id: a mistyped argument (exit 2), like a bad --gpu.
     raise UsageError(f"unknown model {query!r} (run `memplan models` for the catalog)")
 
@@ -147,7 +154,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _from_hub(hub_id: str, *, trust_remote_code: bool) -> ModelSpec:
+def _hub_config(hub_id: str, *, trust_remote_code: bool) -> dict[str, Any]:
     """The config of a hub id: the local cache first, then one request to the hub, no retries.
 
     huggingface_hub retries a failed connection five times with backoff (about 25 s) and logs
@@ -187,7 +194,7 @@ def _from_hub(hub_id: str, *, trust_remote_code: bool) -> ModelSpec:
                 raise MemplanError(
                     f"the hub's config of {hub_id!r} cannot be read ({_first_line(e)})"
                 ) from e
-    return spec_from_config(config.to_dict(), name=hub_id)
+    return config.to_dict()
 
 
 def _unknown_hub_id(hub_id: str, reason: str, *, usage: bool = False) -> MemplanError:

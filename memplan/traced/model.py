@@ -37,7 +37,7 @@ def hf_config(config: dict[str, Any], *, name: str | None, trust_remote_code: bo
         raise MemplanError("the model config has no 'model_type' key")
     fields = {k: v for k, v in config.items() if k != "model_type"}
     if model_type in CONFIG_MAPPING:
-        with _quiet():
+        with quiet():
             try:
                 return AutoConfig.for_model(model_type, **fields)
             except Exception as exc:  # noqa: BLE001 - a config transformers refuses
@@ -61,7 +61,7 @@ def hf_config(config: dict[str, Any], *, name: str | None, trust_remote_code: bo
             f"model_type {model_type!r} is custom code: give its hub id as --model so that "
             "transformers can fetch the code"
         )
-    with _quiet():
+    with quiet():
         try:
             return AutoConfig.from_pretrained(name, trust_remote_code=True)
         except Exception as exc:  # noqa: BLE001
@@ -84,7 +84,7 @@ def build_model(
 
     model_type = getattr(config, "model_type", "model")
     try:
-        with _quiet(), torch.device("meta"):
+        with quiet(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 config,
                 dtype=param_dtype(setup),
@@ -101,7 +101,7 @@ def build_model(
             kwargs: dict[str, Any] = {"use_reentrant": False}
             if checkpoint_context is not None:
                 kwargs["context_fn"] = checkpoint_context
-            with _quiet():
+            with quiet():
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if setup.lora_rank is not None:
             model = _with_lora(model, setup)
@@ -126,7 +126,7 @@ def _with_lora(model: Any, setup: TrainSetup) -> Any:
         lora_dropout=0.0,
     )
     try:
-        with _quiet():
+        with quiet():
             return get_peft_model(model, lora)
     except ValueError as exc:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)})
@@ -159,7 +159,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """transformers' and peft's warnings (about meta weights, unused config keys) would drown
     the one line the command prints."""
     logger = logging.getLogger("transformers")

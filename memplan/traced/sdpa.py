@@ -15,8 +15,8 @@ memory-efficient, math; it is what tests/data/saved_cuda_probe.json recorded on 
 32-padded logsumexp for fp32 without grouped heads, the math path for fp32 with them) and what
 estimators/contracts.py (attention_saved, sdpa_math_path) encodes:
 
-  cudnn      fp16/bf16, head dims <= 128 (training), a multiple of 8, and equal for q and k;
-             grouped KV heads and masks accepted; before sm80 or after sm12x not at all
+  cudnn      fp16/bf16, head dims <= 128 (training), a multiple of 8; dropout a multiple of
+             1/16; grouped KV heads and masks accepted; first on sm90 and sm10x only
   flash      fp16/bf16, no mask, head dim <= 256, q, k, v of one head dim; grouped KV heads
              accepted; sm80..sm121
   efficient  fp16/bf16/fp32, head dim a multiple of 8 (fp16/bf16) or 4 (fp32), masks
@@ -55,6 +55,7 @@ class SdpaCall:
     masked: bool
     enable_gqa: bool
     is_causal: bool
+    dropout_p: float = 0.0
 
 
 def choose_kernel(call: SdpaCall, compute_capability: tuple[int, int] = (9, 0)) -> Kernel:
@@ -92,8 +93,9 @@ def choose_kernel(call: SdpaCall, compute_capability: tuple[int, int] = (9, 0)) 
 
 
 def _cudnn_accepts(call: SdpaCall) -> bool:
-    """check_cudnn_tensor_shapes and check_cudnn_d256_bprop_head_dim for a training step: head
-    dims of at most 128 (or 192 for q/k with 128 for v), multiples of 8; key length not 1."""
+    """check_cudnn_tensor_shapes, check_cudnn_d256_bprop_head_dim and check_cudnn_dropout for a
+    training step: head dims of at most 128 (or 192 for q/k with 128 for v), multiples of 8; key
+    length not 1; a dropout probability that is a multiple of 1/16."""
     dims_ok = (call.head_dim_qk <= 128 and call.head_dim_v <= 128) or (
         call.head_dim_qk == 192 and call.head_dim_v == 128
     )
@@ -103,6 +105,7 @@ def _cudnn_accepts(call: SdpaCall) -> bool:
         and call.head_dim_v % 8 == 0
         and call.seq_k != 1
         and (call.heads_q % call.heads_kv == 0)
+        and float(call.dropout_p * 16).is_integer()
     )
 
 
@@ -119,6 +122,7 @@ def describe(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **opti
         masked=mask is not None,
         enable_gqa=bool(options.get("enable_gqa", False)),
         is_causal=bool(options.get("is_causal", False)),
+        dropout_p=float(options.get("dropout_p", 0.0)),
     )
 
 
@@ -137,7 +141,13 @@ def route(
     """F.scaled_dot_product_attention as attention.cpp runs it on CUDA, through the aten op of
     the kernel choose_kernel picks; returns that kernel's name and the output."""
     call = describe(
-        query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, is_causal=is_causal
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        enable_gqa=enable_gqa,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
     )
     if call.heads_kv != call.heads_q and not enable_gqa:
         raise RuntimeError("scaled_dot_product_attention: key heads differ without enable_gqa")

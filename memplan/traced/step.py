@@ -210,7 +210,7 @@ def trace_steps(
 ) -> TracedRun:
     """Build the model of `config` (a transformers config) on the meta device and trace the
     protocol's first `steps` steps."""
-    from memplan.traced.model import build_model
+    from memplan.traced.model import build_model, quiet
 
     amp = AMP_DTYPES.get(setup.precision)
     regions = _CheckpointRegions()
@@ -239,7 +239,7 @@ def trace_steps(
         run.lora_targets = tuple(sorted(targets)) if targets else ()
     vocab = _text_config(getattr(model, "config", config)).get("vocab_size") or 2
     try:
-        with AllocationTracker(recorder), semantics:
+        with quiet(), AllocationTracker(recorder), semantics:
             ids = torch.randint(0, vocab, (setup.batch, setup.seq), device="meta")
             _tag(recorder, ids, "inputs")
             opt = make_optimizer(params, setup.optimizer)
