@@ -37,7 +37,8 @@ class TracedRun:
     step_starts: list[int]  # index of each step's first record (step 1, step 2, ...)
     gradients: set[int] = field(default_factory=set)
     optimizer_states: set[int] = field(default_factory=set)
-    saved_by_forward: set[int] = field(default_factory=set)  # forward allocations alive after it
+    # Storages a forward made that are alive after it returns: saved for backward (and the loss)
+    saved_by_forward: set[int] = field(default_factory=set)
     # Points of the step between allocations: (index of the next record, phase, label).
     marks: list[tuple[int, str, str]] = field(default_factory=list)
     params: int = 0
@@ -256,6 +257,7 @@ def trace_steps(
             f"({where.phase}, {where.label}): {type(exc).__name__}: {_first_line(exc)}"
         ) from exc
     finally:
+        recorder.closed = True
         labels.remove()
     run.attention_kernels = dict(semantics.kernels)
     return run
@@ -287,7 +289,11 @@ def _one_step(
         run.marks.append((len(recorder.records), "forward", "end of forward"))
         alive = recorder.alive()
         run.saved_by_forward |= {
-            r.key for r in recorder.records[first:] if r.action == "alloc" and r.key in alive
+            r.key
+            for r in recorder.records[first:]
+            if r.action == "alloc"
+            and r.key in alive
+            and alive[r.key].tag in (None, "autocast_cache")
         }
         where.phase, where.label = "backward", "loss backward"
         where.resolve = labels.backward_label

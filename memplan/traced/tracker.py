@@ -125,6 +125,9 @@ class Recorder:
     _keys: dict[int, int] = field(default_factory=dict)  # id(storage object) -> key
     _threads_with_workspace: set[str] = field(default_factory=set)
     _next: int = 0
+    # Set when the traced steps end: the model and optimizer are released afterwards, outside
+    # the step.
+    closed: bool = False
 
     def alloc(self, nbytes: int, tag: str | None = None) -> int:
         key = self._next
@@ -170,7 +173,7 @@ class Recorder:
     def _release(self, storage_id: int, key: int) -> None:
         if self._keys.get(storage_id) == key:
             del self._keys[storage_id]
-        if not self.storages[key].freed:
+        if not self.storages[key].freed and not self.closed:
             self.free(key)
 
     def workspace(self, thread: str) -> None:
@@ -302,15 +305,39 @@ def _instantiate(template: tuple) -> Any:
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
-def _grouped_mm_output(args: tuple, kwargs: dict) -> torch.Tensor:
+def _grouped_mm_output(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """torch._grouped_mm outside bf16: CUDA runs a loop of matmuls into the same output tensor
     (_grouped_mm_fallback in Blas.cpp), which the meta function refuses to describe."""
     from torch._meta_registrations import _create_grouped_mm_output_tensor
 
     mat_a, mat_b = args[0], args[1]
+    if mat_a.dtype == torch.bfloat16:
+        return None
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
     out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or mat_a.dtype
     return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+
+
+def _bincount_output(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """torch.bincount has no meta kernel (its length is the largest value + 1). Models count
+    expert indices with minlength=num_experts (the MoE load-balancing loss), whose values are
+    below it: the output has minlength entries."""
+    x = args[0]
+    weights = args[1] if len(args) > 1 else kwargs.get("weights")
+    minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+    if x.device.type != "meta":
+        return None
+    if not minlength:
+        raise DataDependentRead(f"torch.bincount without minlength in {_model_frame()}")
+    if weights is None:
+        dtype = torch.int64
+    else:
+        dtype = torch.float32 if weights.dtype == torch.float32 else torch.float64
+    return torch.empty(minlength, dtype=dtype, device="meta")
+
+
+# Ops whose outputs the tracer makes itself: no meta kernel, or one stricter than CUDA's.
+_META_OUTPUTS = {"_grouped_mm": _grouped_mm_output, "bincount": _bincount_output}
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -327,9 +354,9 @@ class AllocationTracker(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _READ_OPS and args[0].device.type == "meta":
             return known_read()
-        if name == "_grouped_mm" and args[0].dtype != torch.bfloat16:
-            out = _grouped_mm_output(args, kwargs)
-        else:
+        special = _META_OUTPUTS.get(name)
+        out = special(args, kwargs) if special else None
+        if out is None:
             out = self.cache.run(func, args, kwargs)
         if name in GEMM_OPS:
             # The autograd engine runs CUDA backward on a thread of its own, with its own handle.
