@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch  # noqa: F401 - both are needed: fail here, where callers catch ImportError
+import transformers  # noqa: F401
+
 from memplan.schema import Gpu, TrainSetup
 from memplan.traced.estimate import TracedEstimate, memory_estimate
 
