@@ -25,12 +25,15 @@ class CudaSemantics(TorchFunctionMode):
         self.autocast = autocast
         self.compute_capability = compute_capability
         self.kernels: Counter[str] = Counter()  # SDPA calls by the kernel that ran them
+        # Each distinct SDPA call (dtype, shapes, mask, GQA, dropout) and the kernel it got.
+        self.calls: dict[sdpa.SdpaCall, str] = {}
 
     def copy(self) -> CudaSemantics:
         """A mode with the same state, to enter where this one is not active (a checkpointed
         layer's recomputation inside backward)."""
         twin = CudaSemantics(self.autocast, self.compute_capability)
         twin.kernels = self.kernels
+        twin.calls = self.calls
         return twin
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
@@ -42,6 +45,7 @@ class CudaSemantics(TorchFunctionMode):
         if func is _SDPA:
             kernel, out = sdpa.route(*args, **kwargs, compute_capability=self.compute_capability)
             self.kernels[kernel] += 1
+            self.calls[sdpa.describe_call(*args, **kwargs)] = kernel
             return out
         return func(*args, **kwargs)
 

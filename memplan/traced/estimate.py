@@ -23,6 +23,7 @@ class TracedEstimate:
     step_starts: list[int]
     lora_targets: tuple[str, ...] = ()
     attention_kernels: dict[str, int] | None = None
+    attention_calls: dict | None = None  # sdpa.SdpaCall -> the kernel chosen for it
 
 
 def categories(run: TracedRun) -> dict[int, str]:
@@ -146,4 +147,5 @@ def memory_estimate(run: TracedRun) -> TracedEstimate:
         step_starts=starts,
         lora_targets=run.lora_targets,
         attention_kernels=run.attention_kernels,
+        attention_calls=run.attention_calls,
     )

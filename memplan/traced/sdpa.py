@@ -126,6 +126,28 @@ def describe(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **opti
     )
 
 
+def describe_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> SdpaCall:
+    """The SdpaCall of F.scaled_dot_product_attention's arguments."""
+    return describe(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        enable_gqa=enable_gqa,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+    )
+
+
 def route(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -140,15 +162,7 @@ def route(
 ) -> tuple[Kernel, torch.Tensor]:
     """F.scaled_dot_product_attention as attention.cpp runs it on CUDA, through the aten op of
     the kernel choose_kernel picks; returns that kernel's name and the output."""
-    call = describe(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        enable_gqa=enable_gqa,
-        is_causal=is_causal,
-        dropout_p=dropout_p,
-    )
+    call = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if call.heads_kv != call.heads_q and not enable_gqa:
         raise RuntimeError("scaled_dot_product_attention: key heads differ without enable_gqa")
     kernel = choose_kernel(call, compute_capability)
@@ -239,3 +253,33 @@ _BACKWARDS = (
     "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention_backward",
 )
+
+
+def cuda_choice(call: SdpaCall, device: str = "cuda") -> str:
+    """The kernel torch's own dispatcher picks for this call on the GPU at hand
+    (torch._fused_sdp_choice on small CUDA tensors of the call's dtypes, heads, head dims and
+    mask; batch 1): what choose_kernel emulates, for checking it where a GPU is."""
+    from torch.nn.attention import SDPBackend
+
+    def tensor(heads: int, seq: int, dim: int) -> torch.Tensor:
+        shape = (1, heads, seq, dim)
+        return torch.zeros(shape, dtype=call.dtype, device=device, requires_grad=True)
+
+    q = tensor(call.heads_q, call.seq_q, call.head_dim_qk)
+    k = tensor(call.heads_kv, call.seq_k, call.head_dim_qk)
+    v = tensor(call.heads_kv, call.seq_k, call.head_dim_v)
+    mask = (
+        torch.ones((1, 1, call.seq_q, call.seq_k), dtype=torch.bool, device=device)
+        if call.masked
+        else None
+    )
+    choice = torch._fused_sdp_choice(
+        q, k, v, mask, call.dropout_p, call.is_causal, scale=None, enable_gqa=call.enable_gqa
+    )
+    names = {
+        int(SDPBackend.CUDNN_ATTENTION.value): "cudnn",
+        int(SDPBackend.FLASH_ATTENTION.value): "flash",
+        int(SDPBackend.EFFICIENT_ATTENTION.value): "efficient",
+        int(SDPBackend.MATH.value): "math",
+    }
+    return names.get(int(choice), f"backend {choice}")

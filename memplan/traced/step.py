@@ -45,6 +45,7 @@ class TracedRun:
     trainable_params: int = 0
     lora_targets: tuple[str, ...] = ()
     attention_kernels: dict[str, int] = field(default_factory=dict)
+    attention_calls: dict[Any, str] = field(default_factory=dict)  # SdpaCall -> kernel
 
 
 def make_optimizer(params: list[torch.Tensor], name: str) -> Any:
@@ -260,6 +261,7 @@ def trace_steps(
         recorder.closed = True
         labels.remove()
     run.attention_kernels = dict(semantics.kernels)
+    run.attention_calls = dict(semantics.calls)
     return run
 
 

@@ -103,3 +103,27 @@ def test_one_kv_head_saves_what_the_h200_saved(name: str, case: str) -> None:
     model_type, precision, _ = case.split("/")
     setup = TrainSetup(batch=probe["batch"], seq=probe["seq"], precision=precision)
     assert forward_saved(probe, model_type, setup) == probe_bytes(probe["saved"][case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(12))
+def test_kernel_choice_is_the_gpu_s(index: int) -> None:
+    """On a GPU, torch's own dispatcher agrees with the emulated choice (the rules are torch
+    2.11's with cuDNN >= 9.15 on sm90; another torch or cuDNN shows here first)."""
+    from memplan.traced.sdpa import cuda_choice
+
+    sdpa = [
+        call(),
+        call(kv=2),
+        call(masked=True),
+        call(head_dim=256),
+        call(head_dim=256, masked=True),
+        call(dropout=0.1),
+        call(dropout=0.125),
+        call(dtype=torch.float32),
+        call(dtype=torch.float32, kv=2),
+        call(dtype=torch.float32, head_dim=66),
+        call(dtype=torch.float16, head_dim=512),
+        call(head_dim=80, kv=4),
+    ][index]
+    assert choose_kernel(sdpa, torch.cuda.get_device_capability()) == cuda_choice(sdpa)
