@@ -2,9 +2,9 @@
 would see them.
 
 A TorchDispatchMode sits below autograd and sees every aten op on the meta tensors: an output
-whose storage it has not seen is an allocation, and a weakref finalizer on that storage records
+whose storage it has not seen is an allocation, and a weakref callback on that storage records
 its release when the last tensor or autograd node holding it lets go (storages keep their Python
-object while the C++ storage lives, so the finalizer fires exactly then). What a CUDA kernel
+object while the C++ storage lives, so the callback fires exactly then). What a CUDA kernel
 allocates beside its outputs is added by name: the cuBLAS workspace of each thread's first GEMM
 and the attention backward kernels' scratch (sdpa.backward_scratch_bytes)."""
 
@@ -123,6 +123,7 @@ class Recorder:
     storages: dict[int, Storage] = field(default_factory=dict)
     workspace_bytes: int = 32 * 2**20
     _keys: dict[int, int] = field(default_factory=dict)  # id(storage object) -> key
+    _refs: dict[int, weakref.ref] = field(default_factory=dict)  # key -> its release callback
     _threads_with_workspace: set[str] = field(default_factory=set)
     _next: int = 0
     # Set when the traced steps end: the model and optimizer are released afterwards, outside
@@ -162,7 +163,8 @@ class Recorder:
             return None
         key = self.alloc(nbytes, tag)
         self._keys[id(storage)] = key
-        weakref.finalize(storage, self._release, id(storage), key)
+        storage_id = id(storage)
+        self._refs[key] = weakref.ref(storage, lambda _, k=key: self._release(storage_id, k))
         return key
 
     def key_of(self, tensor: torch.Tensor) -> int | None:
@@ -171,6 +173,7 @@ class Recorder:
         return self._keys.get(id(tensor.untyped_storage()))
 
     def _release(self, storage_id: int, key: int) -> None:
+        self._refs.pop(key, None)
         if self._keys.get(storage_id) == key:
             del self._keys[storage_id]
         if not self.storages[key].freed and not self.closed:
