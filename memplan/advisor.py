@@ -346,8 +346,8 @@ def _traced_advice(config: dict, name: str, batch: int, seq: int, **options) -> 
         from memplan.traced.advise import traced_advice
     except ImportError as exc:
         raise MemplanError(
-            f"model_type {config.get('model_type')!r} has no family entry and the traced "
-            f"estimate needs torch and transformers ({exc}): pip install torch transformers"
+            f"the traced estimate of {config.get('model_type')!r} needs torch and transformers "
+            f"({exc}): pip install torch transformers"
         ) from exc
     return traced_advice(config, name, batch, seq, **options)
 
