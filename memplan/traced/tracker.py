@@ -311,13 +311,18 @@ def _instantiate(template: tuple) -> Any:
 def _grouped_mm_output(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """torch._grouped_mm outside bf16: CUDA runs a loop of matmuls into the same output tensor
     (_grouped_mm_fallback in Blas.cpp), which the meta function refuses to describe."""
-    from torch._meta_registrations import _create_grouped_mm_output_tensor
-
     mat_a, mat_b = args[0], args[1]
     if mat_a.dtype == torch.bfloat16:
         return None
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
     out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or mat_a.dtype
+    try:
+        from torch._meta_registrations import _create_grouped_mm_output_tensor
+    except ImportError:  # a torch without the helper: the bf16 output's shape, in out_dtype
+        shape = torch.ops.aten._grouped_mm(
+            mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), offs
+        ).shape
+        return torch.empty(shape, dtype=out_dtype, device="meta")
     return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
 
 
