@@ -10,13 +10,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from memplan.catalog import (
+    SUPPORTED_MODEL_TYPES,
     gpu_notes,
+    model_config,
     parse_memory,
     resolve_gpu,
     resolve_model_input,
     substituted_entry,
 )
-from memplan.errors import UsageError, option_error
+from memplan.errors import MemplanError, UsageError, option_error
 from memplan.estimators import estimate, predict_reserved
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import DtypePlan
@@ -318,6 +320,7 @@ def advise(
     trust_remote_code: bool = False,
     expandable_segments: bool = False,
     safety_margin: str | int | None = None,
+    method: str | None = None,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on.
 
@@ -327,8 +330,12 @@ def advise(
     lora_rank, defaults to default_lora_targets(spec) and must name linears of the architecture.
     expandable_segments: the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
     safety_margin: bytes (or a size such as "2GiB", or a share such as "5%" of the capacity)
-    kept free of the allocator's capacity. Sizes past memplan.limits' bounds are errors that say
-    the bound and why."""
+    kept free of the allocator's capacity. `method`: None picks the analytic contracts for
+    registry families and the traced estimate (memplan.traced) for any other model_type;
+    "analytic" or "traced" forces one. Sizes past memplan.limits' bounds are errors that say the
+    bound and why."""
+    if method not in (None, "analytic", "traced"):
+        raise option_error("{} must be analytic or traced, got {value!r}", "method", value=method)
     check_setup(
         batch=batch, seq=seq, grad_accum=grad_accum, lora_rank=lora_rank, flce_chunk=flce_chunk
     )
@@ -336,8 +343,6 @@ def advise(
         raise option_error(
             "{} needs {} (without a rank there is no LoRA)", "lora_targets", "lora_rank"
         )
-    spec, notes = resolve_model_input(model, trust_remote_code=trust_remote_code)
-    check_spec(spec)
     gpu_spec = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu, gpu_mem)
     margin = parse_safety_margin(safety_margin, gpu_spec)
     if margin >= gpu_spec.capacity:
@@ -351,6 +356,35 @@ def advise(
         gpu_spec,
         gpu_spec.model_copy(update={"capacity_bytes": gpu_spec.capacity - margin}),
     )
+    config, name = model_config(model, trust_remote_code=trust_remote_code)
+    unknown = not isinstance(model, ModelSpec) and config.get("model_type") not in (
+        SUPPORTED_MODEL_TYPES
+    )
+    if method == "traced" or (method is None and unknown):
+        return _traced_advice(
+            config,
+            name or str(config.get("model_type")),
+            batch,
+            seq,
+            gpu=gpu_spec,
+            reason=_traced_reason(config, forced=method == "traced"),
+            precision=precision,
+            optimizer=optimizer,
+            grad_checkpointing=grad_checkpointing,
+            attn=attn,
+            lora_rank=lora_rank,
+            lora_targets=lora_targets,
+            grad_accum=grad_accum,
+            kernels=kernels,
+            flce_chunk=flce_chunk,
+            trust_remote_code=trust_remote_code,
+        ).model_copy(update={"gpu": display_gpu, "safety_margin_bytes": margin})
+    spec, notes = resolve_model_input(
+        model if isinstance(model, ModelSpec) else config, trust_remote_code=trust_remote_code
+    )
+    if name and spec.name is None:
+        spec = spec.model_copy(update={"name": name})
+    check_spec(spec)
     if isinstance(lora_targets, str):
         lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
     targets = (
@@ -440,6 +474,31 @@ def advise(
         max_seq=max_seq,
         warnings=warnings,
     )
+
+
+def _traced_reason(config: dict, *, forced: bool) -> str:
+    model_type = config.get("model_type")
+    if forced:
+        return (
+            "estimated by tracing the model's transformers code on meta tensors (--method traced)"
+        )
+    return (
+        f"model_type {model_type!r} has no family entry: estimated by tracing its transformers "
+        "code on meta tensors (method traced); no memplan kernels apply"
+    )
+
+
+def _traced_advice(config: dict, name: str, batch: int, seq: int, **options) -> Advice:
+    """memplan.traced's advice; it imports torch and transformers, which the analytic path
+    never does."""
+    try:
+        from memplan.traced.advise import traced_advice
+    except ImportError as exc:
+        raise MemplanError(
+            f"the traced estimate of {config.get('model_type')!r} needs torch and transformers "
+            f"({exc}): pip install torch transformers"
+        ) from exc
+    return traced_advice(config, name, batch, seq, **options)
 
 
 def kernel_options(

@@ -95,6 +95,15 @@ def cli() -> None:
     "--safety-margin",
     help="memory to keep free of the allocator's capacity: a size (2GiB) or a share (5%%)",
 )
+@click.option(
+    "--method",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "analytic", "traced"]),
+    help="analytic: the registry's memory contracts (under 1 s); traced: run the model's "
+    "transformers code on meta tensors (torch + transformers, seconds); auto: analytic for "
+    "registry families, traced otherwise",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 @click.option(
     "--verbose", "-v", is_flag=True, help="add the breakdown, kernel and suggestion tables"
@@ -131,6 +140,7 @@ def advise(**opts: Any) -> None:
         trust_remote_code=opts["trust_remote_code"],
         expandable_segments=parse_alloc_conf(conf),
         safety_margin=opts["safety_margin"],
+        method=None if opts["method"] == "auto" else opts["method"],
     )
     if opts["as_json"]:
         click.echo(advice.model_dump_json(indent=2))
@@ -224,6 +234,103 @@ def gpus(as_json: bool) -> None:
         major, minor = gpu.compute_capability
         table.add_row(f"{key} ({gpu.name}){default}", gib(gpu.memory_bytes), f"{major}.{minor}")
     console().print(table)
+
+
+@cli.command("check-contracts")
+@click.option("--model", required=True, help="a registry family's catalog name or config.json")
+@click.option("--batch", default="2", show_default=True)
+@click.option("--seq", default="1024", show_default=True)
+@click.option(
+    "--precision",
+    default="bf16",
+    show_default=True,
+    type=click.Choice(["bf16", "amp-bf16", "amp-fp16", "fp32"]),
+)
+@click.option(
+    "--optimizer",
+    default="adamw",
+    show_default=True,
+    type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum", "adafactor"]),
+)
+@click.option("--grad-checkpointing", is_flag=True)
+@click.option("--attn", default="sdpa", show_default=True, type=click.Choice(["sdpa", "eager"]))
+@click.option("--lora-rank", help="LoRA rank (peft, alpha 32, no dropout)")
+@click.option("--lora-targets", help="comma list of the linears LoRA adapts")
+@click.option("--grad-accum", default="1", show_default=True)
+@click.option("--layers", help="cut the model to its first N decoder layers (faster)")
+@click.option(
+    "--tolerance",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="largest |peak difference| in % of the analytic peak that passes",
+)
+@click.option("--json", "as_json", is_flag=True, help="print the comparison as JSON")
+def check_contracts(**opts: Any) -> None:
+    """Compare a family's hand-written memory contracts with its code traced on the installed
+    torch and transformers; exit 1 when the peaks differ by more than --tolerance."""
+    from memplan.catalog import resolve_model
+    from memplan.estimators.params import default_lora_targets
+    from memplan.schema import make_setup
+    from memplan.verify.predict import with_layers
+
+    spec = resolve_model(opts["model"])
+    layers = positive_int("--layers", opts["layers"])
+    if layers is not None:
+        spec = with_layers(spec, layers)
+    lora_rank = positive_int("--lora-rank", opts["lora_rank"])
+    targets = opts["lora_targets"]
+    setup = make_setup(
+        batch=positive_int("--batch", opts["batch"]),
+        seq=positive_int("--seq", opts["seq"]),
+        precision=opts["precision"],
+        optimizer=opts["optimizer"],
+        grad_checkpointing=opts["grad_checkpointing"],
+        attn=opts["attn"],
+        lora_rank=lora_rank,
+        lora_targets=tuple(t.strip() for t in targets.split(",") if t.strip())
+        if targets
+        else default_lora_targets(spec),
+        grad_accum=positive_int("--grad-accum", opts["grad_accum"]),
+    )
+    try:
+        from memplan.traced.compare import compare
+    except ImportError as exc:
+        raise MemplanError(
+            f"check-contracts traces the model: it needs torch and transformers ({exc})"
+        ) from exc
+    result = compare(spec, setup)
+    passed = result.agrees(opts["tolerance"])
+    if opts["as_json"]:
+        import json
+
+        rows = [
+            {
+                "what": r.what,
+                "analytic": r.analytic,
+                "traced": r.traced,
+                "difference_pct": r.difference_pct,
+            }
+            for r in result.rows
+        ]
+        click.echo(
+            json.dumps(
+                {
+                    "model": result.model,
+                    "setup": setup.model_dump(),
+                    "rows": rows,
+                    "attention_kernels": result.traced.attention_kernels,
+                    "agrees": passed,
+                },
+                indent=2,
+            )
+        )
+    else:
+        from memplan.render import print_comparison
+
+        print_comparison(result, opts["tolerance"], console())
+    if not passed:
+        sys.exit(1)
 
 
 def _register_verify() -> None:

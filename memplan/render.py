@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -419,3 +420,41 @@ def advice_text(advice: Advice, *, verbose: bool = False, width: int = 100) -> s
     out = io.StringIO()
     print_advice(advice, Console(file=out, width=width, color_system=None), verbose=verbose)
     return out.getvalue()
+
+
+def print_comparison(result: Any, tolerance_pct: float, console: Console | None = None) -> None:
+    """`memplan check-contracts`: the analytic and the traced figures of one step."""
+    import torch
+    import transformers
+
+    console = console or Console()
+    setup = result.setup
+    table = Table(
+        title=f"{result.model}: memory contracts against the traced step (torch "
+        f"{torch.__version__}, transformers {transformers.__version__})"
+    )
+    for header in ("figure", "analytic", "traced", "difference"):
+        table.add_column(header, justify="left" if header == "figure" else "right")
+    for row in result.rows:
+        table.add_row(row.what, gib(row.analytic), gib(row.traced), f"{row.difference_pct:+.2f}%")
+    console.print(
+        f"batch {setup.batch}, seq {setup.seq}, {setup.precision}, {setup.optimizer}, "
+        f"attn {setup.attn}"
+        + (", gradient checkpointing" if setup.grad_checkpointing else "")
+        + (
+            f", LoRA r={setup.lora_rank} on {','.join(setup.lora_targets)}"
+            if setup.lora_rank
+            else ""
+        )
+    )
+    console.print(table)
+    est = result.traced.estimate
+    kernels = ", ".join(f"{k} x{n}" for k, n in (result.traced.attention_kernels or {}).items())
+    console.print(
+        f"Peak: analytic {result.analytic.peak_phase} ({result.analytic.peak_label}), traced "
+        f"{est.peak_phase} ({est.peak_label}). SDPA kernels traced: {kernels or 'none'}."
+    )
+    verdict = "agree" if result.agrees(tolerance_pct) else "[red]DISAGREE[/red]"
+    console.print(
+        f"The peaks {verdict} within {tolerance_pct:.2f}% ({result.peak_difference_pct:+.2f}%)."
+    )

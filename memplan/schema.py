@@ -243,6 +243,8 @@ class MemoryEstimate(BaseModel):
     trainable_params: int
     timeline: list[TimelinePoint] = Field(default_factory=list)
     reserved: ReservedPrediction | None = None
+    # analytic: the families' memory contracts; traced: the model's own code run on meta tensors
+    method: Literal["analytic", "traced"] = "analytic"
 
 
 class Plan(BaseModel):

@@ -149,10 +149,16 @@ def test_a_malformed_hub_id_is_a_usage_error(offline) -> None:
 
 
 def test_unknown_architecture(tmp_path) -> None:
+    """A model_type without a family entry is traced from its transformers code (here a config
+    transformers refuses: one Error line); --method analytic names the registry's families."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
-    run = memplan("advise", "--model", str(tmp_path), "--batch", "1", "--seq", "8")
+    args = ("advise", "--model", str(tmp_path), "--batch", "1", "--seq", "8")
+    run = memplan(*args, "--method", "analytic")
     assert run.returncode == 1
     assert run.stderr.startswith("Error:") and "llama" in run.stderr
+    run = memplan(*args)
+    assert run.returncode == 1 and len(run.stderr.splitlines()) == 1
+    assert run.stderr.startswith("Error: transformers could not build bert from this config")
 
 
 def test_models_lists_the_catalog() -> None:

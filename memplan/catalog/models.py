@@ -71,21 +71,21 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
     is none of these, or a malformed hub id ('org/bad name'), is a UsageError; a missing path
     (_PATH_PREFIXES, a drive letter, *.json, or two '/' or more), a bad config or a hub id the
     hub does not give is a MemplanError."""
-    return _resolve(name_or_path, trust_remote_code=trust_remote_code)[0]
+    config, name = resolve_config(name_or_path, trust_remote_code=trust_remote_code)
+    return spec_from_config(config, name=name)
 
 
-def resolve_model_input(
+def model_config(
     model: Any, *, trust_remote_code: bool = False
-) -> tuple[ModelSpec, list[str]]:
-    """The spec of anything advise and verify take as a model, and the warnings its config calls
-    for (config_notes): a catalog name, a config.json path or folder or a hub id (a str); a
-    config as a dict; a transformers PretrainedConfig; a model that has one as `.config` (a
+) -> tuple[dict[str, Any], str | None]:
+    """The config dict of anything advise and verify take as a model, and the name it goes by:
+    a catalog name, a config.json path or folder or a hub id (a str, resolve_config); a config
+    as a dict; a transformers PretrainedConfig; a model that has one as `.config` (a
     transformers or PEFT model); or a ModelSpec. Anything else is a UsageError saying so."""
     if isinstance(model, ModelSpec):
-        return model, config_notes(model.hf_config, model) if model.hf_config else []
+        return {**model.hf_config, "model_type": model.model_type}, model.name
     if isinstance(model, str):
-        spec, config = _resolve(model, trust_remote_code=trust_remote_code)
-        return spec, config_notes(config, spec)
+        return resolve_config(model, trust_remote_code=trust_remote_code)
     config = model if isinstance(model, Mapping) else getattr(model, "config", model)
     if isinstance(config, Mapping):
         name = config.get("_name_or_path")
@@ -99,24 +99,35 @@ def resolve_model_input(
                 f"{type(model).__name__}"
             )
         config = to_dict()
-    spec = spec_from_config(dict(config), name=name if isinstance(name, str) and name else None)
+    return dict(config), name if isinstance(name, str) and name else None
+
+
+def resolve_model_input(
+    model: Any, *, trust_remote_code: bool = False
+) -> tuple[ModelSpec, list[str]]:
+    """The spec of anything model_config takes, and the warnings its config calls for
+    (config_notes)."""
+    if isinstance(model, ModelSpec):
+        return model, config_notes(model.hf_config, model) if model.hf_config else []
+    config, name = model_config(model, trust_remote_code=trust_remote_code)
+    spec = spec_from_config(config, name=name)
     return spec, config_notes(config, spec)
 
 
-def _resolve(name_or_path: str, *, trust_remote_code: bool) -> tuple[ModelSpec, dict[str, Any]]:
-    """resolve_model, and the config as given (the catalog's, the file's or the hub's)."""
+def resolve_config(name_or_path: str, *, trust_remote_code: bool = False) -> tuple[dict, str]:
+    """The config.json dict that resolve_model reads, and the name the model goes by (the
+    catalog key, the path or the hub id as given), without reading it into a ModelSpec."""
     query = name_or_path.strip()
     if not query:
         raise UsageError("the model name is empty (run `memplan models` for the catalog)")
 
     key = _exact_key(query)
     if key is not None:
-        return _catalog_model(key).spec, _entries()[key]["config"]
+        return dict(_entries()[key]["config"]), key
 
     path = Path(query).expanduser()
     if path.exists():
-        config = _read_config(path)
-        return spec_from_config(config, name=query), config
+        return _read_config(path), query
     # A hub id has one '/': more reads as a relative path (checkpoints/run1/final).
     reads_as_path = _WINDOWS_DRIVE.match(query) or query.endswith(".json") or query.count("/") > 1
     if query.startswith(_PATH_PREFIXES) or reads_as_path:
@@ -124,10 +135,10 @@ def _resolve(name_or_path: str, *, trust_remote_code: bool) -> tuple[ModelSpec, 
 
     key = _substring_key(query)
     if key is not None:
-        return _catalog_model(key).spec, _entries()[key]["config"]
+        return dict(_entries()[key]["config"]), key
 
     if "/" in query:
-        return _from_hub(query, trust_remote_code=trust_remote_code)
+        return _hub_config(query, trust_remote_code=trust_remote_code), query
     # Neither a name, nor a path, nor a hub id: a mistyped argument (exit 2), like a bad --gpu.
     raise UsageError(f"unknown model {query!r} (run `memplan models` for the catalog)")
 
@@ -183,7 +194,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _from_hub(hub_id: str, *, trust_remote_code: bool) -> tuple[ModelSpec, dict[str, Any]]:
+def _hub_config(hub_id: str, *, trust_remote_code: bool) -> dict[str, Any]:
     """The config of a hub id: the local cache first, then one request to the hub, no retries.
 
     huggingface_hub retries a failed connection five times with backoff (about 25 s) and logs
@@ -223,8 +234,7 @@ def _from_hub(hub_id: str, *, trust_remote_code: bool) -> tuple[ModelSpec, dict[
                 raise MemplanError(
                     f"the hub's config of {hub_id!r} cannot be read ({_first_line(e)})"
                 ) from e
-    as_dict = config.to_dict()
-    return spec_from_config(as_dict, name=hub_id), as_dict
+    return config.to_dict()
 
 
 def _unknown_hub_id(hub_id: str, reason: str, *, usage: bool = False) -> MemplanError:

@@ -1,0 +1,102 @@
+"""check-contracts: every registry family's hand-written contracts against its code traced on the
+installed torch and transformers, on small configs where activations and logits hold most of
+the peak (so 1% of the peak is a fraction of one layer's activations)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memplan.catalog import spec_from_config
+from memplan.schema import TrainSetup
+from memplan.traced.compare import compare
+from tests.patching import tiny_models
+
+SMALL = {
+    "hidden_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 1024,
+    "vocab_size": 4096,
+}
+# One setup beside plain bf16 per family, so that each option meets several families.
+VARIANTS = {
+    "llama": {"grad_checkpointing": True},
+    "mistral": {"precision": "amp-bf16"},
+    "qwen2": {"precision": "fp32"},
+    "qwen3": {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    "gemma": {"attn": "eager"},
+    "gemma2": {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    "gemma3_text": {"precision": "amp-bf16"},
+    "phi3": {"lora_rank": 16, "lora_targets": ("qkv_proj",)},
+    "mixtral": {"grad_checkpointing": True},
+    "qwen3_moe": {"optimizer": "sgd-momentum"},
+}
+
+
+def small_spec(family: str):
+    config = tiny_models.shrink(
+        tiny_models.catalog_config(tiny_models.FAMILIES[family]),
+        SMALL,
+        window=512,
+        moe_intermediate=256,
+    )
+    config.pop("mlp_only_layers", None)  # the analytic qwen3_moe has every layer sparse
+    return spec_from_config(config, name=family)
+
+
+# Attention that materializes (heads x seq x seq) scores (eager, and SDPA's math path in fp32
+# with grouped KV heads): the contracts hold one more score-sized tensor in attention backward
+# than the trace, whose liveness is torch's on the CPU (checked on real CPU tensors); H200
+# measurements side with the contracts (docs/traced.md). Strict: a fix on either side shows.
+KNOWN_GAPS = {"qwen2", "gemma"}
+
+
+def cases() -> list:
+    out = [pytest.param(f, {}, id=f) for f in tiny_models.FAMILIES]
+    for family, options in VARIANTS.items():
+        marks = ()
+        if family in KNOWN_GAPS:
+            reason = "materialized attention scores in backward (docs/traced.md)"
+            marks = pytest.mark.xfail(strict=True, reason=reason)
+        out.append(pytest.param(family, options, id=f"{family}-variant", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("family,options", cases())
+def test_contracts_agree_with_the_traced_step(family: str, options: dict) -> None:
+    result = compare(small_spec(family), TrainSetup(batch=4, seq=1024, **options))
+    fixed = ("weights", "gradients", "optimizer_states", "cublas_workspace", "inputs")
+    breakdown = result.traced.estimate.breakdown
+    per_token = sum(v for k, v in breakdown.items() if k not in fixed)
+    assert per_token > 0.3 * result.rows[0].traced  # activations and logits weigh in the peak
+    assert result.agrees(1.0), [(r.what, round(r.difference_pct, 3)) for r in result.rows]
+
+
+def test_check_contracts_command(tmp_path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(small_spec("llama").hf_config))
+    args = ["--model", str(config), "--batch", "2", "--seq", "256"]
+    run = subprocess.run(
+        [sys.executable, "-m", "memplan", "check-contracts", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["agrees"] and out["rows"][0]["what"] == "peak"
+    assert out["attention_kernels"] == {"cudnn": 4}
+    # a tolerance no estimate meets: the command says so and exits 1
+    run = subprocess.run(
+        [sys.executable, "-m", "memplan", "check-contracts", *args, "--tolerance", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1 and "DISAGREE" in run.stdout

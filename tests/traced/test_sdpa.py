@@ -1,0 +1,129 @@
+"""SDPA as CUDA runs it: the kernel choice, and the bytes a traced forward saves against those
+recorded on an H200 (tests/data/saved_cuda_probe*.json, benchmarks/probe_memory.py saved):
+cuDNN, memory-efficient and math-path attention, autocast, one KV head, peft LoRA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memplan.schema import TrainSetup
+from memplan.traced.model import hf_config
+from memplan.traced.sdpa import SdpaCall, choose_kernel
+from memplan.traced.step import trace_steps
+
+DATA = Path(__file__).parents[1] / "data"
+
+
+def call(dtype=torch.bfloat16, head_dim=64, heads=8, kv=8, masked=False, dropout=0.0, **kw):
+    return SdpaCall(
+        dtype=dtype,
+        head_dim_qk=head_dim,
+        head_dim_v=head_dim,
+        heads_q=heads,
+        heads_kv=kv,
+        seq_q=kw.get("seq", 1024),
+        seq_k=kw.get("seq", 1024),
+        masked=masked,
+        enable_gqa=kv != heads,
+        is_causal=not masked,
+        dropout_p=dropout,
+    )
+
+
+@pytest.mark.parametrize(
+    "sdpa,capability,kernel",
+    [
+        (call(), (9, 0), "cudnn"),
+        (call(kv=2), (9, 0), "cudnn"),  # grouped KV heads
+        (call(masked=True), (9, 0), "cudnn"),
+        (call(head_dim=256), (9, 0), "flash"),  # past cuDNN's training head dims
+        (call(head_dim=256, masked=True), (9, 0), "efficient"),  # flash takes no mask
+        (call(dropout=0.1), (9, 0), "flash"),  # cuDNN: dropout in 1/16 steps only
+        (call(dropout=0.125), (9, 0), "cudnn"),
+        (call(), (8, 0), "flash"),  # cuDNN comes first on sm90/sm10x only
+        (call(dtype=torch.float32), (9, 0), "efficient"),
+        (call(dtype=torch.float32, kv=2), (9, 0), "math"),  # no fused fp32 kernel takes GQA
+        (call(dtype=torch.float32, head_dim=66), (9, 0), "math"),  # not a multiple of 4
+        (call(dtype=torch.float16, head_dim=512), (9, 0), "efficient"),
+    ],
+)
+def test_kernel_choice(sdpa: SdpaCall, capability: tuple[int, int], kernel: str) -> None:
+    assert choose_kernel(sdpa, capability) == kernel
+
+
+def forward_saved(probe: dict, model_type: str, setup: TrainSetup) -> int:
+    """Bytes the traced forward leaves saved (the 4-byte held loss taken off)."""
+    fields = {**probe["tiny"], **probe["families"][model_type], "model_type": model_type}
+    run = trace_steps(hf_config(fields, name=None, trust_remote_code=False), setup, steps=1)
+    return sum(run.recorder.storages[k].nbytes for k in run.saved_by_forward) - 4
+
+
+def probe_bytes(saved: list[dict]) -> int:
+    """The probe's bytes less the input ids (traced as inputs) and Gemma's 0-d embedding
+    normalizer (a CPU tensor in the GPU run)."""
+    return sum(
+        t["nbytes"]
+        for t in saved
+        if t["module"] != "model.embed_tokens" or (t["shape"] and t["dtype"] != "int64")
+    )
+
+
+def cases(name: str, every: int = 1) -> list[str]:
+    probe = json.loads((DATA / name).read_text())
+    names = [c for c, v in probe["saved"].items() if not isinstance(v, dict)]
+    return [pytest.param(name, c, id=c) for c in names[::every]]
+
+
+@pytest.mark.parametrize(
+    "name,case",
+    cases("saved_cuda_probe.json") + cases("saved_cuda_probe_lora.json", every=5),
+)
+def test_forward_saves_what_the_h200_saved(name: str, case: str) -> None:
+    probe = json.loads((DATA / name).read_text())
+    model_type, precision, attn, *lora = case.split("/")
+    options = {}
+    if lora:
+        options = {"lora_rank": probe["lora"]["r"], "lora_targets": tuple(lora[0].split("+"))}
+    setup = TrainSetup(
+        batch=probe["batch"], seq=probe["seq"], precision=precision, attn=attn, **options
+    )
+    assert forward_saved(probe, model_type, setup) == probe_bytes(probe["saved"][case])
+
+
+@pytest.mark.parametrize(
+    "name,case", [c for c in cases("saved_cuda_probe_kv1.json") if c.id.endswith("/none")]
+)
+def test_one_kv_head_saves_what_the_h200_saved(name: str, case: str) -> None:
+    """One KV head: transformers' repeat_kv is a view, and SDPA saves k and v as they are."""
+    probe = json.loads((DATA / name).read_text())
+    model_type, precision, _ = case.split("/")
+    setup = TrainSetup(batch=probe["batch"], seq=probe["seq"], precision=precision)
+    assert forward_saved(probe, model_type, setup) == probe_bytes(probe["saved"][case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(12))
+def test_kernel_choice_is_the_gpu_s(index: int) -> None:
+    """On a GPU, torch's own dispatcher agrees with the emulated choice (the rules are torch
+    2.11's with cuDNN >= 9.15 on sm90; another torch or cuDNN shows here first)."""
+    from memplan.traced.sdpa import cuda_choice
+
+    sdpa = [
+        call(),
+        call(kv=2),
+        call(masked=True),
+        call(head_dim=256),
+        call(head_dim=256, masked=True),
+        call(dropout=0.1),
+        call(dropout=0.125),
+        call(dtype=torch.float32),
+        call(dtype=torch.float32, kv=2),
+        call(dtype=torch.float32, head_dim=66),
+        call(dtype=torch.float16, head_dim=512),
+        call(head_dim=80, kv=4),
+    ][index]
+    assert choose_kernel(sdpa, torch.cuda.get_device_capability()) == cuda_choice(sdpa)

@@ -1,0 +1,146 @@
+"""The allocation tracker against torch.cuda-free references: the same tiny model run for real on
+the CPU gives the bytes autograd saves (saved_tensors_hooks), the parameters, the gradients and
+the optimizer states; the traced step on meta tensors must record exactly those bytes."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from memplan.estimators.events import EventLog
+from memplan.schema import TrainSetup
+from memplan.traced.estimate import event_log
+from memplan.traced.model import hf_config
+from memplan.traced.step import TracedRun, make_optimizer, trace_steps
+from tests.traced.tiny import UNREGISTERED, tiny
+
+BATCH, SEQ = 2, 24
+FAMILIES = ["llama", "qwen3", "gemma2", "phi3", "mixtral", *UNREGISTERED]
+
+
+def traced(family: str, steps: int = 1, **setup) -> TracedRun:
+    config = hf_config(tiny(family), name=None, trust_remote_code=False)
+    setup = TrainSetup(batch=BATCH, seq=SEQ, **setup)
+    return trace_steps(config, setup, steps=steps)
+
+
+def cpu_model(family: str, dtype: torch.dtype, attn: str = "eager") -> torch.nn.Module:
+    torch.manual_seed(0)
+    fields = tiny(family)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).train()
+
+
+def cpu_saved(family: str, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of the storages autograd saves in one CPU forward that are still saved when it
+    returns (a saved tensor of a branch the loss does not use, such as topk's indices when only
+    its values are, goes with that branch), parameters excluded; and the input ids' bytes.
+    Gemma scales the embedding by torch.tensor(sqrt(hidden)), made without a device: in the GPU
+    run that 0-d tensor stays on the CPU, so it does not count."""
+    model = cpu_model(family, dtype)
+    ids = torch.randint(0, 256, (BATCH, SEQ))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, weakref.ref] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[id(storage)] = weakref.ref(storage)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    total = sum(s.nbytes() for ref in saved.values() if (s := ref()) is not None)
+    del loss
+    if family.startswith("gemma"):
+        total -= dtype.itemsize
+    return total, ids.nbytes
+
+
+def tagged_bytes(run: TracedRun, tag: str) -> int:
+    return sum(s.nbytes for s in run.recorder.storages.values() if s.tag == tag)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_saves_what_autograd_saves_on_the_cpu(family: str) -> None:
+    """Eager attention in fp32 runs the same ops on both devices: the storages the traced forward
+    leaves alive are those autograd saves on the CPU, less the input ids (traced as inputs, not
+    made by the forward), plus the 4-byte loss the protocol holds."""
+    saved, ids = cpu_saved(family, torch.float32)
+    run = traced(family, precision="fp32", attn="eager")
+    forward = sum(run.recorder.storages[k].nbytes for k in run.saved_by_forward)
+    assert forward == saved - ids + 4
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmoe"])
+def test_bf16_forward_saves_what_autograd_saves_on_the_cpu(family: str) -> None:
+    saved, ids = cpu_saved(family, torch.bfloat16)
+    run = traced(family, precision="bf16", attn="eager")
+    forward = sum(run.recorder.storages[k].nbytes for k in run.saved_by_forward)
+    assert forward == saved - ids + 4
+
+
+@pytest.mark.parametrize(
+    "family,optimizer", [("llama", "adamw"), ("gpt2", "sgd-momentum"), ("olmoe", "adam")]
+)
+def test_weights_gradients_and_states_match_a_cpu_step(family: str, optimizer: str) -> None:
+    """Parameter, gradient and optimizer-state bytes of a real CPU step (bf16 weights)."""
+    model = cpu_model(family, torch.bfloat16)
+    ids = torch.randint(0, 256, (BATCH, SEQ))
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], optimizer)
+    opt.step()
+    states = sum(
+        v.nbytes
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    weights = sum(t.untyped_storage().nbytes() for t in model.parameters()) + sum(
+        b.nbytes for b in model.buffers()
+    )
+    run = traced(family, optimizer=optimizer, attn="eager")
+    assert tagged_bytes(run, "weights") == weights
+    assert sum(run.recorder.storages[k].nbytes for k in run.gradients) == grads
+    assert sum(run.recorder.storages[k].nbytes for k in run.optimizer_states) == states
+
+
+def test_lora_counts_the_adapters_peft_adds() -> None:
+    peft = pytest.importorskip("peft")
+    model = cpu_model("llama", torch.bfloat16)
+    lora = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(model, lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    run = traced("llama", lora_rank=4, lora_targets=("q_proj", "v_proj"))
+    assert run.trainable_params == trainable > 0
+    assert run.params == sum(p.numel() for p in model.parameters())
+
+
+def _replay(log: EventLog) -> tuple[int, dict[int, int]]:
+    alive: dict[int, int] = {}
+    for e in log.events:
+        if e.action == "alloc":
+            assert e.tensor not in alive and e.nbytes > 0
+            alive[e.tensor] = e.nbytes
+        else:
+            assert alive.pop(e.tensor) == e.nbytes
+    return sum(alive.values()), alive
+
+
+@pytest.mark.parametrize("setup", [{}, {"grad_checkpointing": True}, {"grad_accum": 2}])
+def test_every_release_follows_its_allocation(setup: dict) -> None:
+    """The event stream of two steps: each id allocated once and released at most once; what
+    stays is the weights, the optimizer states, the two cuBLAS workspaces, the input ids and the
+    held loss."""
+    run = traced("qwen3", steps=2, **setup)
+    left, alive = _replay(event_log(run))
+    categories = {e.tensor: e.category for e in event_log(run).events}
+    kinds = {categories[t] for t in alive}
+    assert kinds == {"weights", "optimizer_states", "cublas_workspace", "inputs", "logits_and_loss"}
+    assert tagged_bytes(run, "cublas_workspace") == 2 * 32 * 2**20
+    loss = [t for t in alive if categories[t] == "logits_and_loss"]
+    assert [alive[t] for t in loss] == [4]
