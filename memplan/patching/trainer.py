@@ -90,11 +90,13 @@ class MemplanTrainerCallback(TrainerCallback):
         )
 
 
-# TrainingArguments.optim values whose memory the advisor models.
-_OPTIMIZERS = {
+# TrainingArguments.optim values whose memory the advisor models, as they run: the Trainer's
+# default, adamw_torch_fused, steps in place; adamw_torch is torch's foreach AdamW, whose step
+# holds one sqrt(exp_avg_sq) per tensor; transformers' Adafactor keeps factored row and column
+# states like torch's.
+OPTIMIZERS = {
     "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw",
-    "adamw_hf": "adamw",
+    "adamw_torch_fused": "adamw-fused",
     "sgd": "sgd",
     "adafactor": "adafactor",
     "adamw_bnb_8bit": "adamw-8bit",
@@ -114,7 +116,14 @@ def trainer_setup(args: Any, model: Any) -> dict[str, Any]:
             setup["precision"] = "amp-fp16"
     if args.gradient_checkpointing:
         setup["grad_checkpointing"] = True
-    optimizer = _OPTIMIZERS.get(str(getattr(args.optim, "value", args.optim)))
-    if optimizer is not None:
+    name = str(getattr(args.optim, "value", args.optim))
+    optimizer = OPTIMIZERS.get(name)
+    if optimizer is None:
+        warnings.warn(
+            f"memplan does not model the memory of optim={name!r} ({', '.join(OPTIMIZERS)} "
+            "are): the plan is made as for torch's AdamW",
+            stacklevel=2,
+        )
+    else:
         setup["optimizer"] = optimizer
     return setup

@@ -147,10 +147,16 @@ def test_trainer_setup_reads_what_the_model_does_not_show(tmp_path):
         "optimizer": "adafactor",
     }
     bf16_model = build("llama", dtype=torch.bfloat16)
+    # the Trainer's default optimizer is torch's fused AdamW
     assert trainer_setup(_training_args(tmp_path, bf16=True), bf16_model) == {
         "grad_accum": 2,
-        "optimizer": "adamw",
+        "optimizer": "adamw-fused",
     }
+    foreach = _training_args(tmp_path, bf16=True, optim="adamw_torch")
+    assert trainer_setup(foreach, bf16_model)["optimizer"] == "adamw"
+    with pytest.warns(UserWarning, match="does not model the memory of optim='lion_8bit'"):
+        unknown = trainer_setup(_training_args(tmp_path, optim="lion_8bit"), bf16_model)
+    assert "optimizer" not in unknown
 
 
 def test_apply_setup_reaches_the_advisor():
