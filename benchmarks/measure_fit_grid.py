@@ -5,11 +5,13 @@ and how close is the predicted reserved peak.
 
     python benchmarks/measure_fit_grid.py predict --gpu h100 --out PREDICTIONS.json
     python benchmarks/measure_fit_grid.py measure PREDICTIONS.json --out-dir DIR [--only RE]
+    python benchmarks/measure_fit_grid.py table PREDICTIONS.json RESULTS.json
 
 `predict` needs no GPU: it writes every case with the verdict and reserved peak predicted for
 the catalog GPU, before anything is measured (the first predictions). `measure` runs them one
 after another (each needs the whole GPU) and writes DIR/fit_grid_results.json (a memplan
-Report, re-predicted for the GPU measured) and DIR/fit_grid_report.md after every case."""
+Report, re-predicted for the GPU measured) and DIR/fit_grid_report.md after every case.
+`table` prints the first predictions against what happened, as markdown (docs/fit_verdict.md)."""
 
 from __future__ import annotations
 
@@ -141,6 +143,34 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def table(args: argparse.Namespace) -> int:
+    predictions = {
+        c["case"]["case"]: c for c in json.loads(Path(args.predictions).read_text())["cases"]
+    }
+    report = Report.model_validate_json(Path(args.results).read_text())
+    print(
+        "| case | allocated / capacity | predicted | predicted reserved GiB | measured "
+        "| measured reserved GiB | verdict |"
+    )
+    print("|---|---:|---|---:|---|---:|---|")
+    right = 0
+    for m in report.measurements:
+        p = predictions[m.case]
+        ran = m.status == "ok"
+        right += p["runs"] == ran
+        measured = (
+            "ran" if ran else f"out of memory above {(m.oom_above_bytes or 0) / 2**30:.2f} GiB"
+        )
+        print(
+            f"| {m.case} | {p['allocated_bytes'] / p['capacity_bytes']:.3f} "
+            f"| {'runs' if p['runs'] else 'out of memory'} | {p['reserved_bytes'] / 2**30:.2f} "
+            f"| {measured} | {(m.reserved_bytes or 0) / 2**30 if ran else 0:.2f} "
+            f"| {'right' if p['runs'] == ran else 'wrong'} |"
+        )
+    print(f"\nFirst predictions right on {right} of {len(report.measurements)} cases.")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,8 +182,11 @@ def main() -> int:
     m.add_argument("--out-dir", required=True)
     m.add_argument("--only")
     m.add_argument("--timeout", type=float, default=120)
+    t = sub.add_parser("table")
+    t.add_argument("predictions")
+    t.add_argument("results")
     args = parser.parse_args()
-    return predict(args) if args.command == "predict" else measure(args)
+    return {"predict": predict, "measure": measure, "table": table}[args.command](args)
 
 
 if __name__ == "__main__":
