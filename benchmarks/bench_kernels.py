@@ -586,13 +586,13 @@ def _liger_rope_reference(q, k, cos, nbytes: int, name: str, report: Callable) -
 
 def _tune_sum_partials(report: Callable) -> None:
     """The norms' second-stage dW sum over (partial rows x hidden) fp32."""
-    from memplan.kernels import _partials
+    from memplan.kernels import _norm_weight_grad
 
     for rows, hidden in ((264, 1024), (264, 2048), (264, 4096), (132, 16384)):
         partials = torch.randn(1, rows, hidden, device="cuda")
         for tile in ((8, 256), (32, 64), (32, 32), (16, 128), (64, 32)):
-            with patched(_partials, SUM_TILE=tile):
-                ms = bench_ms(lambda p=partials: _partials.sum_partials(p, DTYPE))
+            with patched(_norm_weight_grad, SUM_TILE=tile):
+                ms = bench_ms(lambda p=partials: _norm_weight_grad.sum_partials(p, DTYPE))
             report(f"sum_partials {rows}x{hidden} ROWS,BLOCK={tile}", ms, rows * hidden * 4)
 
 

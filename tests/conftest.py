@@ -64,6 +64,9 @@ class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         known = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.set_:
+            # points a tensor at an existing storage (Triton's interpreter does, around launches)
+            return out
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.numel() > 1000:
                 if t.untyped_storage().data_ptr() not in known:

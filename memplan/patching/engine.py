@@ -572,7 +572,7 @@ def _decoder_layer_targets(
     base = getattr(hf_model, spec.causal_lm.base_model_attr, None)
     final_norm = patched_norm(getattr(base, layer_spec.final_norm_attr, None))
     norm_module = importlib.import_module(KERNEL_FUNCTIONS["rms_norm"][0])
-    norm_kernels = (norm_module.rms_norm_consumed, norm_module.add_rms_norm)
+    norm_kernels = (norm_module.rms_norm_per_consumer, norm_module.add_rms_norm)
     result = []
     for index, (name, layer) in enumerate(layers):
         if not eligible(layer):

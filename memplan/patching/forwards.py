@@ -341,7 +341,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     from memplan.kernels.fused_linear_cross_entropy import prefetch_targets
-    from memplan.patching.cache import StatelessCache, skips_packed_check
+    from memplan.patching.stateless_cache import StatelessCache, skips_packed_check
 
     signature = inspect.signature(original)
     var_keyword = next(
@@ -394,8 +394,9 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         target = shift_labels.reshape(-1)
         head = self.lm_head
+        prefetched = None
         if kernels.flce is not None and plain_linear(head) and target.device == head.weight.device:
-            prefetch_targets(target, ignore_index, head.weight.shape[0])
+            prefetched = prefetch_targets(target, ignore_index, head.weight.shape[0])
         base = getattr(self, spec.base_model_attr)
         stateless = skips_packed_check(model_kwargs, base)
         if stateless:
@@ -414,6 +415,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             ignore_index=ignore_index,
             softcap=softcap,
             num_items_in_batch=kwargs.get("num_items_in_batch"),
+            prefetched=prefetched,
         )
 
         if not spec.moe_aux_loss:
@@ -479,7 +481,10 @@ def _loss(
     ignore_index: int,
     softcap: float | None,
     num_items_in_batch: Any,
+    prefetched: Any = None,
 ) -> torch.Tensor:
+    """The loss of the causal LM's last hidden states; `prefetched`: FLCE's target flags copied
+    at the forward's start (memplan.kernels.fused_linear_cross_entropy.prefetch_targets)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     # FLCE needs the projection's weight; an adapter-wrapped lm_head (PEFT modules_to_save, LoRA)
     # is called as a module and its logits go to the cross-entropy kernel instead.
@@ -495,6 +500,7 @@ def _loss(
             num_items_in_batch=num_items_in_batch,
             chunk_size=kernels.flce_chunk,
             memory_budget=kernels.flce_memory_budget,
+            prefetched=prefetched,
         )
     logits = lm_head(hidden)
     cross_entropy = kernels.cross_entropy

@@ -206,7 +206,7 @@ def test_loss_options_as_numpy_scalars_match_python_numbers(device, entry):
         loss = functools.partial(fused_linear_cross_entropy, hidden, weight, target)
         module = FusedLinearCrossEntropyLoss
     assert torch.allclose(loss(**numpy), loss(**python), rtol=1e-6)
-    options = module(**numpy)
+    options = module(**numpy).options
     assert type(options.ignore_index) is int and type(options.softcap) is float
 
 

@@ -78,7 +78,7 @@ def record_schedules(monkeypatch):
     original = flce_module._flce
 
     def spy(*args):
-        seen.append(args[12])
+        seen.append(args[9])  # _flce's schedule
         return original(*args)
 
     monkeypatch.setattr(flce_module, "_flce", spy)

@@ -17,7 +17,7 @@ import transformers.masking_utils as masking_utils
 
 import memplan.kernels.fused_linear_cross_entropy as flce_module
 import memplan.patching as mp
-from memplan.patching.cache import StatelessCache
+from memplan.patching.stateless_cache import StatelessCache
 
 from .tiny_models import assert_grads_close, pair, rel_err
 
