@@ -39,10 +39,6 @@ _STATE_ATTR = "_memplan_patch_state"
 _ACCELERATE_WRAPPED = "_original_forward"
 _REPLICATE = "_replicate_for_data_parallel"
 
-# "0": the decoder layers keep their forwards (their norms are still patched), for side-by-side
-# timings of the layer patch (benchmarks/probe_e2e_variants.py).
-FUSED_RESIDUALS_ENV = "MEMPLAN_FUSED_RESIDUALS"
-
 KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {
     "rms_norm": ("memplan.kernels.rms_norm", "rms_norm"),
     "layer_norm": ("memplan.kernels.layer_norm", "layer_norm"),
@@ -113,9 +109,13 @@ class _Installed:
 
 @dataclass
 class _State:
+    """A patch in place: what it did, the forwards it set, what was asked, and the norms'
+    handoffs its forwards share (forwards.PrenormedHandoff, by norm module id)."""
+
     applied: AppliedPatch
     installed: list[_Installed]
     request: tuple[Any, ...]
+    handoffs: Mapping[int, forwards.PrenormedHandoff] = field(default_factory=dict)
 
 
 @dataclass
@@ -196,8 +196,9 @@ def apply(
 
     functions = {name: load_kernel(name) for name in chosen}
     originals = {id(i.module): i for i in state.installed} if state is not None else {}
+    handoffs: dict[int, forwards.PrenormedHandoff] = {}
     targets = _plan_targets(
-        hf_model, spec, chosen, functions, (flce_chunk, flce_memory_budget), originals
+        hf_model, spec, chosen, functions, (flce_chunk, flce_memory_budget), originals, handoffs
     )
     modules: dict[str, list[str]] = {k: [] for k in chosen}
     for target in targets:
@@ -235,7 +236,7 @@ def apply(
             _install_all([_Target("", i.module, (), i.forward) for i in state.installed])
             setattr(hf_model, _STATE_ATTR, state)
         raise
-    setattr(hf_model, _STATE_ATTR, _State(applied, installed, request))
+    setattr(hf_model, _STATE_ATTR, _State(applied, installed, request, handoffs))
     return applied
 
 
@@ -471,8 +472,10 @@ def _plan_targets(
     functions: Mapping[str, Callable[..., Any]],
     flce_setting: tuple[int | None, int | None],
     originals: Mapping[int, _Installed],
+    handoffs: dict[int, forwards.PrenormedHandoff],
 ) -> list[_Target]:
-    """Every module to patch with its new forward; raises before anything is changed."""
+    """Every module to patch with its new forward; raises before anything is changed. Fills
+    `handoffs` with one PrenormedHandoff per patched norm."""
     glu = next((k for k in ("swiglu", "geglu") if k in chosen), None)
     loss_kernels = _loss_kernels(
         hf_model, tuple(k for k in ("cross_entropy", "flce") if k in chosen)
@@ -484,7 +487,8 @@ def _plan_targets(
         try:
             if "rms_norm" in chosen and cls in spec.norm.classes:
                 _require(module, ("weight", spec.norm.eps_attr))
-                forward = forwards.norm_forward(spec.norm, functions["rms_norm"])
+                handoff = handoffs.setdefault(id(module), forwards.PrenormedHandoff())
+                forward = forwards.norm_forward(spec.norm, functions["rms_norm"], handoff)
                 targets.append(_Target(name, module, ("rms_norm",), forward))
             elif "rope" in chosen and cls in spec.attention.classes:
                 needed = ["config", "head_dim", "scaling", "layer_idx", "o_proj"]
@@ -528,9 +532,8 @@ def _plan_targets(
                 targets.append(_Target(cls, module, loss_kernels, forward))
         except (AttributeError, TypeError, ValueError) as exc:
             raise _layout_error(name or cls, module, spec, exc) from exc
-    fuse_residuals = os.environ.get(FUSED_RESIDUALS_ENV, "1") != "0"
-    if "rms_norm" in chosen and spec.decoder_layer is not None and fuse_residuals:
-        targets += _decoder_layer_targets(hf_model, spec, targets)
+    if "rms_norm" in chosen and spec.decoder_layer is not None:
+        targets += _decoder_layer_targets(hf_model, spec, targets, handoffs)
     _check_forwards_are_free(hf_model, targets, originals)
     return targets
 
@@ -543,7 +546,10 @@ def _layout_error(name: str, module: nn.Module, spec: PatchSpec, exc: Exception)
 
 
 def _decoder_layer_targets(
-    hf_model: nn.Module, spec: PatchSpec, targets: Sequence[_Target]
+    hf_model: nn.Module,
+    spec: PatchSpec,
+    targets: Sequence[_Target],
+    handoffs: Mapping[int, forwards.PrenormedHandoff],
 ) -> list[_Target]:
     """The decoder layers whose two norms memplan patches, with their residual adds fused into
     the norms (forwards.decoder_layer_forward), wired to the modules around them."""
@@ -591,8 +597,10 @@ def _decoder_layer_targets(
         wiring = forwards.LayerWiring(
             attention_inputs=attention_inputs(layer),
             mlp_inputs=mlp_inputs(layer),
+            input_handoff=handoffs[id(layer.input_layernorm)],
             next_norm=next_norm,
             next_inputs=next_inputs,
+            next_handoff=handoffs[id(next_norm)] if next_norm is not None else None,
         )
         forward = forwards.decoder_layer_forward(layer_spec, spec.norm, norm_kernels, wiring)
         result.append(_Target(name, layer, ("rms_norm",), forward))
@@ -696,4 +704,3 @@ def _restore(installed: Sequence[_Installed]) -> None:
             continue
         record.module.__dict__.pop("forward", None)
         record.module.__dict__.pop(_REPLICATE, None)
-        record.module.__dict__.pop(forwards.PRENORMED, None)

@@ -33,9 +33,39 @@ Forward = Callable[..., Any]
 # view of the normalized input per projection (see DecoderLayerSpec).
 PROJECTION_INPUTS = "memplan_projection_inputs"
 
-# Instance attribute of a norm module: (h, views of norm(h)) computed by the previous layer's
-# last residual add, for the norm's next call on exactly h.
-PRENORMED = "_memplan_prenormed"
+
+class PrenormedHandoff:
+    """One norm's output handed from the decoder layer that computed it to the norm's next call.
+
+    A patched layer runs its last residual add inside the norm that reads the result (the next
+    layer's input_layernorm, or the model's final norm): it computes h = residual + branch and
+    norm(h) in one pass, returns h, and leaves (h, the views of norm(h)) here; the norm's next
+    call, or the next layer reading its input norm, takes them. One handoff per norm module,
+    made at apply time and held by the forwards that use it (nothing on the module itself).
+
+    Invariant: it holds at most one entry, and hands the views out only to a call on exactly the
+    tensor h (the same object). Any take() removes the entry, so activations never outlive the
+    next call, and a call on another tensor (a forward hook replaced the layer's output) gets
+    None and computes the norm itself."""
+
+    def __init__(self) -> None:
+        self._source: torch.Tensor | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
+
+    def leave(self, source: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> None:
+        self._source, self._outputs = source, outputs
+
+    def take(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """norm(x)'s views if they were left for exactly x, else None; the entry is removed."""
+        source, outputs = self._source, self._outputs
+        if source is None:
+            return None
+        self._source, self._outputs = None, ()
+        return outputs if source is x else None
+
+    @property
+    def empty(self) -> bool:
+        return self._source is None
 
 
 def _norm_options(spec: NormSpec) -> dict[str, Any]:
@@ -46,21 +76,16 @@ def _norm_options(spec: NormSpec) -> dict[str, Any]:
     }
 
 
-def take_prenormed(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """The outputs the previous layer computed for this norm if x is the tensor it computed them
-    from; the entry is removed either way (it holds activations)."""
-    if PRENORMED not in norm.__dict__:
-        return None
-    source, outputs = norm.__dict__.pop(PRENORMED)
-    return outputs if source is x else None
-
-
-def norm_forward(spec: NormSpec, rms_norm: Callable[..., torch.Tensor]) -> Forward:
+def norm_forward(
+    spec: NormSpec, rms_norm: Callable[..., torch.Tensor], handoff: PrenormedHandoff
+) -> Forward:
+    """The norm's forward: the output a decoder layer left in `handoff` for this input, else
+    the kernel."""
     eps_attr = spec.eps_attr
     options = _norm_options(spec)
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        prenormed = take_prenormed(self, hidden_states)
+        prenormed = handoff.take(hidden_states)
         if prenormed is not None:
             return prenormed[0]
         return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), **options)
@@ -110,14 +135,17 @@ class LayerWiring:
     attention_inputs / mlp_inputs: how many views of the normalized input the layer's attention
         and MLP forwards take (3 for memplan's attention with q, k, v projections, 2 for memplan's
         MLP with gate and up projections, else 1).
+    input_handoff: where the layer before left this layer's input norm's output.
     next_norm: the norm that reads this layer's output (the next layer's input_layernorm, or the
-        model's final norm), with next_inputs views of its output; None: the layer's last
-        residual add stays a plain add."""
+        model's final norm), with next_inputs views of its output, left in next_handoff (that
+        norm's handoff); None: the layer's last residual add stays a plain add."""
 
     attention_inputs: int
     mlp_inputs: int
+    input_handoff: PrenormedHandoff
     next_norm: nn.Module | None
     next_inputs: int
+    next_handoff: PrenormedHandoff | None
 
 
 def decoder_layer_forward(
@@ -128,9 +156,10 @@ def decoder_layer_forward(
 ) -> Forward:
     """The pre-norm decoder layer of DecoderLayerSpec, with each residual add fused into the norm
     after it. The add that ends the layer runs with the next norm, in this layer: its result goes
-    to the next norm's module (PRENORMED), which hands it out when it is called on this layer's
-    output. Not under gradient checkpointing (the recomputed next layer would compute its norm
-    where the first forward took it from here) nor while torch.compile traces."""
+    to the next norm's handoff (PrenormedHandoff), which hands it out when that norm is called
+    on this layer's output. Not under gradient checkpointing (the recomputed next layer would
+    compute its norm where the first forward took it from here) nor while torch.compile
+    traces."""
     consumed_norm, add_norm = norm_kernels
     eps_attr = norm_spec.eps_attr
     options = _norm_options(norm_spec)
@@ -160,7 +189,7 @@ def decoder_layer_forward(
         if args:  # arguments only the family's own signature can place
             return type(self).forward(self, hidden_states, *args, **kwargs)
         residual = hidden_states
-        views = take_prenormed(self.input_layernorm, hidden_states)
+        views = wiring.input_handoff.take(hidden_states)
         if views is None:
             residual, views = added_normed(
                 self.input_layernorm, hidden_states, None, wiring.attention_inputs
@@ -186,7 +215,7 @@ def decoder_layer_forward(
         ):
             return residual + mlp_out
         hidden_states, next_views = added_normed(next_norm, residual, mlp_out, wiring.next_inputs)
-        next_norm.__dict__[PRENORMED] = (hidden_states, next_views)
+        wiring.next_handoff.leave(hidden_states, next_views)
         return hidden_states
 
     return forward
@@ -365,8 +394,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             # transformers builds a KV cache in training too (config.use_cache), holding a copy
             # of every layer's keys and values until the forward returns: under autocast (fp32
             # keys, not what SDPA saves) or eager attention (which saves repeated copies) that
-            # is memory nobody reads, alive at the loss. Measured: 0.88 GiB on qwen3-0.6b,
-            # batch 4 x 1024, amp-bf16.
+            # is memory nobody reads, alive at the loss.
             kwargs["use_cache"] = False
             # HF's tuple output would hold that cache (not under gradient checkpointing, which
             # turns it off): its slot stays, as None, so hidden states and attentions keep their
