@@ -100,6 +100,9 @@ def advise(**opts: Any) -> None:
         flce_chunk=positive_int("--flce-chunk", opts["flce_chunk"]),
         trust_remote_code=opts["trust_remote_code"],
     )
+    from memplan.versions import warn_if_unvalidated
+
+    warn_if_unvalidated()  # on stderr, after the input was found good: errors stay one line
     if opts["as_json"]:
         click.echo(advice.model_dump_json(indent=2))
         return

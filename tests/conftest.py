@@ -27,6 +27,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def validated_versions(monkeypatch):
+    """memplan reads the installed versions as one of its validated setups, so what it prints
+    does not depend on where the tests run (tests/test_versions.py checks the warning itself)."""
+    import memplan.versions
+
+    ci = next(v for v in memplan.versions.VALIDATED if v.gpu is None)
+    pinned = {"torch": ci.torch, "triton": ci.triton, "transformers": ci.transformers}
+    monkeypatch.setattr(memplan.versions, "installed_versions", lambda: dict(pinned))
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_GPU else "cpu"

@@ -33,6 +33,7 @@ from memplan.schema import (
     ModelSpec,
     Plan,
 )
+from memplan.versions import warn_if_unvalidated
 
 _STATE_ATTR = "_memplan_patch_state"
 # accelerate.prepare's mixed-precision wrapper keeps the forward it wrapped under this name.
@@ -157,6 +158,7 @@ def apply(
     hf_model = unwrap(model)
     spec = spec_for(hf_model)
     _check_device()
+    warn_if_unvalidated(gpu=_gpu_name(hf_model))
     for name, value in (("flce_chunk", flce_chunk), ("flce_memory_budget", flce_memory_budget)):
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise UsageError(f"{name} must be a positive integer, got {value!r}")
@@ -368,6 +370,14 @@ def load_kernel(name: str) -> Callable[..., Any]:
 
 # ---------------------------------------------------------------------------------------------
 # Resolution and checks
+
+
+def _gpu_name(hf_model: nn.Module) -> str | None:
+    """The name of the CUDA device the model's first parameter is on, or None."""
+    parameter = next(hf_model.parameters(), None)
+    if parameter is None or not parameter.is_cuda:
+        return None
+    return torch.cuda.get_device_name(parameter.device)
 
 
 def _check_device() -> None:
