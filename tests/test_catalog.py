@@ -10,6 +10,7 @@ import sys
 import httpx
 import pytest
 
+from memplan.advisor import advise
 from memplan.catalog import (
     SUPPORTED_MODEL_TYPES,
     catalog_model,
@@ -755,3 +756,25 @@ def test_gpu_memory_overrides():
     assert h100.name == "H100 80GB SXM" and h100.memory_bytes == 70 * GIB
     with pytest.raises(UsageError):
         resolve_gpu(memory="big")
+
+
+@pytest.mark.parametrize(
+    "path", ["C:/models/llama-3", "C:\\models\\llama-3", "d:\\ckpt", "..\\ckpt\\config"]
+)
+def test_a_missing_windows_path_is_no_such_file(path) -> None:
+    """A Windows path that does not exist fell through to the hub id check ('C:/x/y': "not a
+    valid repository id", exit 2) or the catalog's unknown name ('C:\\x'), where the POSIX
+    forms ('/x', './x', '../x', '.\\x') say "no such file or folder" (exit 1)."""
+    with pytest.raises(MemplanError, match="no such file or folder") as raised:
+        resolve_model(path)
+    assert raised.value.exit_code == 1
+
+
+def test_a_name_replaced_by_a_catalog_entry_is_a_warning() -> None:
+    """microsoft/Phi-3-mini-128k-instruct was silently predicted as the catalog's 4k model
+    (another sliding window and max_position_embeddings), with nothing saying so."""
+    advice = advise("microsoft/Phi-3-mini-128k-instruct", 1, 512)
+    assert advice.model == "phi-3-mini"
+    assert any("microsoft/Phi-3-mini-4k-instruct" in w for w in advice.warnings)
+    for exact in ("phi-3-mini", "microsoft/Phi-3-mini-4k-instruct", " PHI-3-MINI "):
+        assert not any("catalog" in w for w in advise(exact, 1, 512).warnings)

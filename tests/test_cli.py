@@ -164,3 +164,23 @@ def test_lora_on_a_fused_qkv_model_defaults_to_qkv_proj() -> None:
     assert run.returncode == 0, run.stderr
     assert "LoRA r=16 on qkv_proj" in run.stdout
     assert "qkv_proj" in memplan("advise", "--help").stdout
+
+
+def test_models_json_has_what_the_table_shows() -> None:
+    """`memplan models --json` gave only the configs: no hub id, no parameter count."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "memplan", "models", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    listing = json.loads(run.stdout)
+    entry = listing["llama-3.2-1b"]
+    assert entry["hf_id"] == "meta-llama/Llama-3.2-1B"
+    assert entry["params"] == 1_235_814_400
+    assert entry["config"]["hidden_size"] == 2048
