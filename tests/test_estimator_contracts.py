@@ -1,6 +1,6 @@
 """The estimator's activation bytes equal the bytes autograd really saves in one forward of the
 Hugging Face model: live on the CPU for every family, and against the probe recorded on an H200
-(tests/data/saved_cuda_probe.json, from benchmarks/probe_memory.py)."""
+(tests/data/saved_cuda_probe.json, from tools/record_saved_tensors.py)."""
 
 from __future__ import annotations
 
@@ -179,14 +179,15 @@ KERNEL_PROBE = json.loads(
 @pytest.mark.parametrize("case", sorted(KERNEL_PROBE["saved"]))
 def test_patched_model_matches_h200_probe(case: str) -> None:
     """memplan.apply with every kernel the family supports (FLCE for the loss), recorded on an
-    H200 by `probe_memory.py saved --kernels all`: bf16, fp32 and autocast, SDPA and eager."""
+    H200 by `tools/record_saved_tensors.py --kernels all`: bf16, fp32 and autocast, SDPA and
+    eager."""
     _, precision, attn = case.split("/")
     assert_matches_probe(KERNEL_PROBE, case, precision=precision, attn=attn, all_kernels=True)
 
 
 def assert_matches_probe(probe: dict, case: str, *, all_kernels: bool, **setup) -> None:
-    """The estimator's forward-saved bytes for one case of a probe file (benchmarks/
-    probe_memory.py saved) equal the bytes the GPU recorded; all_kernels: every kernel the
+    """The estimator's forward-saved bytes for one case of a fixture
+    (tools/record_saved_tensors.py) equal the bytes the GPU recorded; all_kernels: every kernel the
     family supports, as `--kernels all` applied them."""
     from memplan.advisor import best_kernel_set, supported_kernels
 
@@ -217,8 +218,9 @@ LORA_CASES = [(kernels, case) for kernels, probe in LORA_PROBES.items() for case
 @pytest.mark.parametrize("kernels,case", sorted(LORA_CASES))
 def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
     """peft LoRA on every family, bf16 / fp32 / autocast, SDPA and eager, with kernels off and
-    with every kernel the family supports, recorded on an H200 by `probe_memory.py saved --lora`
-    (CUDA's autocast and attention backends, which the CPU tests cannot reach)."""
+    with every kernel the family supports, recorded on an H200 by
+    `tools/record_saved_tensors.py --lora` (CUDA's autocast and attention backends, which the
+    CPU tests cannot reach)."""
     probe = LORA_PROBES[kernels]
     _, precision, attn, targets = case.split("/")
     assert_matches_probe(
