@@ -1,5 +1,5 @@
 """The child process of `memplan verify`: one run of the measurement protocol
-(shared/reference/measurement_protocol.md) in a fresh process, nothing else on the GPU before it.
+(docs/measurement_protocol.md) in a fresh process, nothing else on the GPU before it.
 
     python -m memplan.verify.worker CASE_JSON OUT_JSON
 
