@@ -183,7 +183,8 @@ class GluOp:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(d_gate, d_up) of the saved gate and up: written over them where _in_place_allowed
         (eager tensors), else new; with `product`, act(gate) * up is written there too."""
-        if _in_place_allowed(ctx, gate, up) and not use_custom_op(dout):
+        # the custom-op check first: _in_place_allowed reads addresses, which traced tensors lack
+        if not use_custom_op(dout) and _in_place_allowed(ctx, gate, up):
             self.backward(dout, gate, up, dgate=gate, dup=up, product=product)
             _mark_overwritten(gate, up)
             return gate.view(gate.shape), up.view(up.shape)

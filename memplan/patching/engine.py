@@ -497,7 +497,7 @@ def _plan_targets(
         try:
             if "rms_norm" in chosen and cls in spec.norm.classes:
                 _require(module, ("weight", spec.norm.eps_attr))
-                handoff = handoffs.setdefault(id(module), forwards.PrenormedHandoff())
+                handoff = handoffs.setdefault(id(module), forwards.PrenormedHandoff(module))
                 forward = forwards.norm_forward(spec.norm, functions["rms_norm"], handoff)
                 targets.append(_Target(name, module, ("rms_norm",), forward))
             elif "rope" in chosen and cls in spec.attention.classes:
@@ -605,6 +605,7 @@ def _decoder_layer_targets(
         else:
             next_norm, next_inputs = final_norm, 1
         wiring = forwards.LayerWiring(
+            layer=layer,
             attention_inputs=attention_inputs(layer),
             mlp_inputs=mlp_inputs(layer),
             input_handoff=handoffs[id(layer.input_layernorm)],

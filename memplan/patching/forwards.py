@@ -43,22 +43,26 @@ class PrenormedHandoff:
     call, or the next layer reading its input norm, takes them. One handoff per norm module,
     made at apply time and held by the forwards that use it (nothing on the module itself).
 
-    Invariant: it holds at most one entry, and hands the views out only to a call on exactly the
-    tensor h (the same object). Any take() removes the entry, so activations never outlive the
-    next call, and a call on another tensor (a forward hook replaced the layer's output) gets
-    None and computes the norm itself."""
+    Invariant: it holds at most one entry, and hands the views out only to a call of its own
+    norm module on exactly the tensor h (the same object). Any take() by that norm removes the
+    entry, so activations never outlive the next call, and a call on another tensor (a forward
+    hook replaced the layer's output) gets None and computes the norm itself. A copy of the
+    model (copy.deepcopy, nn.DataParallel's replicas) shares the forwards' closures but not the
+    modules: its norms get None here, and its layers leave nothing (LayerWiring.layer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, norm: nn.Module) -> None:
+        self.norm = norm
         self._source: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
 
     def leave(self, source: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> None:
         self._source, self._outputs = source, outputs
 
-    def take(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """norm(x)'s views if they were left for exactly x, else None; the entry is removed."""
+    def take(self, norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """norm(x)'s views if `norm` is this handoff's norm and they were left for exactly x,
+        else None; a take by the handoff's norm removes the entry."""
         source, outputs = self._source, self._outputs
-        if source is None:
+        if source is None or norm is not self.norm:
             return None
         self._source, self._outputs = None, ()
         return outputs if source is x else None
@@ -85,7 +89,7 @@ def norm_forward(
     options = _norm_options(spec)
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        prenormed = handoff.take(hidden_states)
+        prenormed = handoff.take(self, hidden_states)
         if prenormed is not None:
             return prenormed[0]
         return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), **options)
@@ -135,11 +139,14 @@ class LayerWiring:
     attention_inputs / mlp_inputs: how many views of the normalized input the layer's attention
         and MLP forwards take (3 for memplan's attention with q, k, v projections, 2 for memplan's
         MLP with gate and up projections, else 1).
+    layer: the decoder layer these were made for: a copy of it (deepcopy, DataParallel) runs
+        every add as its own, with its own norms.
     input_handoff: where the layer before left this layer's input norm's output.
     next_norm: the norm that reads this layer's output (the next layer's input_layernorm, or the
         model's final norm), with next_inputs views of its output, left in next_handoff (that
         norm's handoff); None: the layer's last residual add stays a plain add."""
 
+    layer: nn.Module
     attention_inputs: int
     mlp_inputs: int
     input_handoff: PrenormedHandoff
@@ -189,7 +196,7 @@ def decoder_layer_forward(
         if args:  # arguments only the family's own signature can place
             return type(self).forward(self, hidden_states, *args, **kwargs)
         residual = hidden_states
-        views = wiring.input_handoff.take(hidden_states)
+        views = wiring.input_handoff.take(self.input_layernorm, hidden_states)
         if views is None:
             residual, views = added_normed(
                 self.input_layernorm, hidden_states, None, wiring.attention_inputs
@@ -209,6 +216,7 @@ def decoder_layer_forward(
         next_norm = wiring.next_norm
         if (
             next_norm is None
+            or self is not wiring.layer
             or (self.training and getattr(self, "gradient_checkpointing", False))
             or torch.compiler.is_compiling()
             or next_norm.weight.device != residual.device
