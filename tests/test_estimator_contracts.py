@@ -129,11 +129,16 @@ def test_lora_matches_autograd_on_cpu(
     "model_type,kernels,precision,lora_targets",
     [
         ("llama", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
-        ("llama", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
-        ("gemma", ("rms_norm", "rope", "geglu", "flce"), "bf16", ()),
-        ("qwen3", ("rms_norm", "rope", "swiglu", "cross_entropy"), "bf16", ()),
-        ("phi3", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
-        ("mixtral", ("rms_norm", "rope", "flce"), "bf16", ()),
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in [
+                ("llama", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
+                ("gemma", ("rms_norm", "rope", "geglu", "flce"), "bf16", ()),
+                ("qwen3", ("rms_norm", "rope", "swiglu", "cross_entropy"), "bf16", ()),
+                ("phi3", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
+                ("mixtral", ("rms_norm", "rope", "flce"), "bf16", ()),
+            ]
+        ),
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
         # first layer keeps q and k, unlike HF's RoPE (test_lora_matches_autograd_on_cpu).
         ("llama", ("rope",), "bf16", ("q_proj",)),
@@ -241,8 +246,14 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
         ("phi3", "amp-bf16", {}),
         ("qwen3", "fp32", {}),
         ("llama", "bf16", {"grad_checkpointing": True}),
-        ("llama", "amp-bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
-        ("llama", "amp-bf16", {"kernels": ("rope",)}),
+        # the patched models (minutes each under the interpreter)
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in [
+                ("llama", "amp-bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
+                ("llama", "amp-bf16", {"kernels": ("rope",)}),
+            ]
+        ),
     ],
 )
 def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> None:
@@ -340,8 +351,13 @@ def test_one_kv_head_matches_autograd_on_cpu(model_type, precision, attn, saved_
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **overrides)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn).train()
-    measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=False)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+    except ValueError as exc:  # Gemma 2 takes only eager attention from transformers 5.2x
+        if "does not support an attention implementation" not in str(exc):
+            raise
+        pytest.skip(f"this transformers builds {model_type} without {attn}")
+    measured = saved_bytes_of(saved_storage_bytes, model.train(), cfg.vocab_size, autocast=False)
     setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], precision=precision, attn=attn)
     spec = spec_from_config(cfg.to_dict())
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured

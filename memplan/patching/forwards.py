@@ -168,6 +168,7 @@ def decoder_layer_forward(
     compute its norm where the first forward took it from here) nor while torch.compile
     traces."""
     consumed_norm, add_norm = norm_kernels
+    checkpoints_in_forward = layers_checkpoint_in_forward()
     eps_attr = norm_spec.eps_attr
     options = _norm_options(norm_spec)
     dropouts = spec.branch_dropouts
@@ -195,6 +196,11 @@ def decoder_layer_forward(
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if args:  # arguments only the family's own signature can place
             return type(self).forward(self, hidden_states, *args, **kwargs)
+        if checkpoints_in_forward and self.training and torch.is_grad_enabled():
+            if getattr(self, "gradient_checkpointing", False):
+                # transformers checkpoints the class's forward, which this one replaces: the
+                # family's own forward runs, checkpointed, its norms and projections patched
+                return type(self).forward(self, hidden_states, **kwargs)
         residual = hidden_states
         views = wiring.input_handoff.take(self.input_layernorm, hidden_states)
         if views is None:
@@ -227,6 +233,14 @@ def decoder_layer_forward(
         return hidden_states
 
     return forward
+
+
+def layers_checkpoint_in_forward() -> bool:
+    """Whether transformers' decoder layers apply gradient checkpointing inside the class's
+    forward (from 5.2x) rather than in __call__ around whatever forward the instance has."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" not in vars(GradientCheckpointingLayer)
 
 
 def family_function(module: nn.Module, name: str) -> Callable[..., Any]:
@@ -280,6 +294,8 @@ def attention_forward(
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # transformers 5.2x names the layer's KV cache `cache` (earlier: past_key_values)
+        cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -312,8 +328,8 @@ def attention_forward(
         # place, except as slices of a fused qkv output, which attention would then keep whole.
         query, key = _rotate(rope, query, key, cos, sin, in_place=spec.qkv != "fused")
 
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
 
         options: dict[str, Any] = {}
         if spec.sliding_window == "module":
@@ -354,6 +370,10 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) ->
     return hidden[:, logits_to_keep, :]
 
 
+# The names transformers gave the KV cache, as a forward argument and an output field.
+CACHE_NAMES = ("past_key_values", "cache")
+
+
 class LossKernels:
     """The loss kernels a patched causal LM uses: FLCE when enabled, else cross entropy on the
     logits (computed in place of them: they are not returned in training)."""
@@ -381,6 +401,11 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
     from memplan.patching.stateless_cache import StatelessCache, skips_packed_check
 
     signature = inspect.signature(original)
+    # transformers 5.2x renamed past_key_values to cache, as an argument and an output field
+    cache_arg = "cache" if "cache" in signature.parameters else "past_key_values"
+    cache_field = next(
+        f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in CACHE_NAMES
+    )
     var_keyword = next(
         (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
     )
@@ -436,9 +461,9 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
         base = getattr(self, spec.base_model_attr)
         stateless = skips_packed_check(model_kwargs, base)
         if stateless:
-            model_kwargs["past_key_values"] = StatelessCache(config=self.config)
+            model_kwargs[cache_arg] = StatelessCache(config=self.config)
         outputs = base(**model_kwargs)
-        past_key_values = None if stateless else outputs.past_key_values
+        past_key_values = None if stateless else getattr(outputs, cache_field)
         hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
 
         target = target.to(hidden.device)
@@ -458,7 +483,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             result = CausalLMOutputWithPast(
                 loss=loss,
                 logits=None,
-                past_key_values=past_key_values,
+                **{cache_field: past_key_values},
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
             )
@@ -477,12 +502,12 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
                 loss=loss,
                 aux_loss=aux_loss,
                 logits=None,
-                past_key_values=past_key_values,
+                **{cache_field: past_key_values},
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
                 router_logits=outputs.router_logits,
             )
-        return result if return_dict else _to_tuple(result, cache_slot)
+        return result if return_dict else _to_tuple(result, cache_field if cache_slot else None)
 
     # HF's signature, for what inspects the forward: the Trainer keeps only the dataset columns
     # it names, generate() checks it for attention_mask and logits_to_keep.
@@ -490,11 +515,11 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
     return forward
 
 
-def _to_tuple(output: Any, cache_slot: bool) -> tuple[Any, ...]:
+def _to_tuple(output: Any, cache_slot: str | None) -> tuple[Any, ...]:
     """output.to_tuple() with the logits slot kept (None), and the cache's where HF would have
     returned one: to_tuple drops None fields, which would move hidden states or the cache to
     where HF's tuple has the logits."""
-    kept = ("logits", "past_key_values") if cache_slot else ("logits",)
+    kept = ("logits", cache_slot) if cache_slot else ("logits",)
     return tuple(
         getattr(output, f.name)
         for f in dataclasses.fields(output)

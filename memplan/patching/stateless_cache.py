@@ -36,6 +36,7 @@ def skips_packed_check(kwargs: dict[str, Any], base_model: Any) -> bool:
         kwargs.get("position_ids") is None
         and kwargs.get("attention_mask") is None
         and kwargs.get("past_key_values") is None
+        and kwargs.get("cache") is None
         and kwargs.get("cache_position") is None
         and not kwargs.get("use_cache")
         and not getattr(base_model, "gradient_checkpointing", False)

@@ -40,7 +40,10 @@ def step_outputs(model: nn.Module) -> list[torch.Tensor]:
     return [loss.detach(), logits, *grads]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "mixtral"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma2", "phi3", "mixtral"))],
+)
 def test_revert_restores_bit_identical_outputs(family):
     model = build(family)
     before = step_outputs(model)

@@ -61,7 +61,9 @@ def test_training_matches_hf_bf16(family):
     assert rel_err(losses[1], losses[0]) <= 1e-2
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
+@pytest.mark.parametrize(
+    "family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma2", "phi3"))]
+)
 def test_eval_and_no_labels_return_logits_as_hf(family):
     reference, patched = pair(family)
     mp.apply(patched)

@@ -120,6 +120,7 @@ def test_trainer_callback_patches_the_model_the_trainer_trains(tmp_path):
     assert losses_pat == pytest.approx(losses_ref, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_trainer_callback_keeps_the_trainers_autocast(tmp_path):
     """bf16=True over fp32 weights: the patch is in place before accelerate.prepare wraps the
     forward in autocast, so the projections still run in bf16."""
