@@ -35,10 +35,6 @@ VALIDATED: tuple[Validated, ...] = (
         ("benchmarks/results_e2e_h100.json",),
     ),
     Validated("2.13.0", "3.9.0", "5.17.0", None, "the CPU test suite, pinned (.ci/run)"),
-    Validated(
-        "2.13.0", "3.9.0", "5.24.0", None,
-        "the CPU test suite on the latest transformers release (.ci/run)",
-    ),
 )  # fmt: skip
 
 PACKAGES = ("torch", "triton", "transformers")

@@ -42,7 +42,7 @@ def inputs(device, dtype, shape=(5, 123, 127), offset=0.0, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
-@pytest.mark.parametrize("consumers", [1, 2, 3])
+@pytest.mark.parametrize("consumers", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("in_place", [True, False])
 def test_add_rms_norm_matches_reference(device, dtype, casting, offset, consumers, in_place):
     residual, branch, weight = inputs(device, dtype, offset=offset)

@@ -93,7 +93,10 @@ def test_matches_reference_default_chunk(dtype, shape, option):
     check(x, w, b, target, dtype, **OPTIONS[option])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# bf16 chunking is also covered by test_schedules and the default-chunk test
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("chunk_size", [1, 5, 37, 64])
 @pytest.mark.parametrize("option", ["plain", "smoothing_softcap_z", "none"])
 def test_chunk_sizes(dtype, chunk_size, option):
@@ -123,9 +126,11 @@ def test_bias_reduction_none():
         (torch.bfloat16, {"chunk_size": 64}, "one_pass"),  # one chunk
         (torch.float32, {"chunk_size": 5}, "one_pass"),  # fp32 weight accumulates in dW
         (torch.bfloat16, {"chunk_size": 5}, "two_pass"),
-        (torch.bfloat16, {}, "two_pass"),  # the default formula chunk (2)
+        pytest.param(torch.bfloat16, {}, "two_pass", marks=pytest.mark.slow),  # formula chunk (2)
         (torch.bfloat16, {"memory_budget": 55_000}, "one_pass_fp32_acc"),  # chunk 32
-        (torch.bfloat16, {"memory_budget": 30_000}, "two_pass"),  # chunk 16, no accumulator
+        pytest.param(  # chunk 16, no accumulator
+            torch.bfloat16, {"memory_budget": 30_000}, "two_pass", marks=pytest.mark.slow
+        ),
         (torch.bfloat16, {"memory_budget": 1 << 30}, "one_pass"),  # room for one chunk
     ],
 )
@@ -463,6 +468,7 @@ def test_torch_compile_fullgraph(reduction):
         assert rel_err(leaf.grad, ref_leaf.grad) <= 1e-5
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(
     n_rows=st.integers(1, 40),

@@ -202,7 +202,9 @@ def test_bad_shapes_raise_usage_errors():
         rope(q, k, torch.randn(1, 3, 8), torch.randn(1, 3, 8), unsqueeze_dim=3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_in_place_matches_hf_and_allocates_nothing(device, dtype, unsqueeze_dim):
     """in_place=True: the outputs are q and k themselves, values and gradients as HF's."""
