@@ -5,7 +5,7 @@ shapes and dtypes), what it saves for backward (`setup_context`) and its backwar
 declaration come the `torch.library` custom op with its fake and autograd, used while
 torch.compile traces and for tensor subclasses and meta tensors, and an eager
 `torch.autograd.Function` over the same launcher, setup and backward for plain tensors (the
-custom op's dispatch costs more host time per call than the kernels below ~50M elements).
+custom op's dispatch costs host time on every call, which small kernels cannot hide).
 Backward kernels are declared the same way (`launcher`): one function, dispatched through its
 custom op or called directly by the same rule, so the two paths launch the same kernels with the
 same arguments.
@@ -44,9 +44,8 @@ def launcher(
         custom = torch.library.custom_op(f"memplan::{name}", fn, mutates_args=tuple(mutates_args))
         custom.register_fake(fake)
 
-        mutated = [
-            i for i, name in enumerate(inspect.signature(fn).parameters) if name in mutates_args
-        ]
+        parameters = inspect.signature(fn).parameters
+        mutated = [i for i, param in enumerate(parameters) if param in mutates_args]
 
         @functools.wraps(fn)
         def call(*args: Any) -> Any:
