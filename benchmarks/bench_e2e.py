@@ -1,6 +1,6 @@
 """End-to-end training steps: Hugging Face, Liger-Kernel and memplan (kernels all) side by side,
-the four training cases of shared/reference/anchors.md under the measurement protocol, each run
-in its own fresh process.
+the four training cases the project's end-to-end goals are set on (docs/methodology.md) under the
+measurement protocol (docs/measurement_protocol.md), each run in its own fresh process.
 
     python benchmarks/bench_e2e.py [--out-dir DIR] [--steps 10] [--docs FILE] [--only REGEX]
     python benchmarks/bench_e2e.py --from-json DIR/bench_e2e.json   # only redraw the table
@@ -31,7 +31,7 @@ from measure_grid import describe, plan  # noqa: E402
 from memplan.schema import GIB, Measurement, Report  # noqa: E402
 from memplan.verify.runner import run_case  # noqa: E402
 
-# (model, layers, batch, seq): shared/reference/anchors.md, "End-to-end training step"
+# (model, layers, batch, seq): the end-to-end goal cases (docs/methodology.md)
 CASES = [
     ("llama-3.2-1b", None, 8, 2048),
     ("qwen2.5-1.5b", None, 4, 2048),
@@ -39,7 +39,7 @@ CASES = [
     ("llama-3-8b", 4, 8, 2048),
 ]
 VARIANTS = ("hf", "liger", "memplan")
-# issue 5's goal for memplan against Liger, measured side by side in one run
+# the goal for memplan against Liger, measured side by side in one run
 GOAL_PEAK_RATIO = 1.0
 GOAL_SPEED_RATIO = 1.05
 
@@ -93,7 +93,7 @@ def render(report: Report, *, liger: str | None, steps: int) -> str:
         f"GPU: {env.get('gpu', '?')}; torch {env.get('torch', '?')}, transformers "
         f"{env.get('transformers', '?')}, triton {env.get('triton', '?')}, liger-kernel "
         f"{liger or 'not installed'}. Measured by `benchmarks/bench_e2e.py`: the protocol of "
-        f"shared/reference/measurement_protocol.md, {steps} AdamW steps per fresh process; "
+        f"docs/measurement_protocol.md, {steps} AdamW steps per fresh process; "
         "peak = max_memory_allocated (GiB), tokens/s over the steps after the first.",
         "",
         "| case | HF peak | HF tokens/s | Liger peak | Liger tokens/s | memplan peak "
@@ -118,7 +118,7 @@ def render(report: Report, *, liger: str | None, steps: int) -> str:
         )
     lines += [
         "",
-        f"Goal (issue 5): memplan's peak <= Liger's and its tokens/s >= {GOAL_SPEED_RATIO} x "
+        f"Goal: memplan's peak <= Liger's and its tokens/s >= {GOAL_SPEED_RATIO} x "
         "Liger's in every case.",
     ]
     notes = [f"- {m.case}: {m.error}" for m in report.measurements if m.status != "ok" and m.error]

@@ -53,7 +53,7 @@ EL = 2  # bytes per bf16 element
 WARMUP_MS, REP_MS = 5, 15
 
 SIZES = {
-    # rows x hidden; the two anchors of shared/reference/anchors.md first
+    # rows x hidden; the two goal sizes first (docs/methodology.md)
     "rms_norm": [(16384, 4096), (65536, 4096), (4096, 1024), (4096, 8192), (16384, 1024),
                  (16384, 16384), (32768, 2048), (65536, 8192)],
     "layer_norm": [(16384, 4096), (65536, 4096), (4096, 1024), (16384, 16384), (32768, 2048)],
@@ -586,13 +586,13 @@ def _liger_rope_reference(q, k, cos, nbytes: int, name: str, report: Callable) -
 
 def _tune_sum_partials(report: Callable) -> None:
     """The norms' second-stage dW sum over (partial rows x hidden) fp32."""
-    from memplan.kernels import _partials
+    from memplan.kernels import _norm_weight_grad
 
     for rows, hidden in ((264, 1024), (264, 2048), (264, 4096), (132, 16384)):
         partials = torch.randn(1, rows, hidden, device="cuda")
         for tile in ((8, 256), (32, 64), (32, 32), (16, 128), (64, 32)):
-            with patched(_partials, SUM_TILE=tile):
-                ms = bench_ms(lambda p=partials: _partials.sum_partials(p, DTYPE))
+            with patched(_norm_weight_grad, SUM_TILE=tile):
+                ms = bench_ms(lambda p=partials: _norm_weight_grad.sum_partials(p, DTYPE))
             report(f"sum_partials {rows}x{hidden} ROWS,BLOCK={tile}", ms, rows * hidden * 4)
 
 
@@ -667,15 +667,14 @@ NOTES = """## How the goals are judged
 - Timing: each size builds every implementation, then times them with do_bench in rounds,
   the order rotated each round; the time vs Liger or torch.compile is the median over rounds of
   the two times taken in the same round ("per round" gives their range). The host's speed
-  drifts between minutes by up to 2x, so times taken one implementation after another did not
-  compare at small sizes (session 6's tables: RMSNorm 16384x4096 read 1.76x Liger under
-  do_bench and 0.77x on the GPU).
+  drifts between minutes, so times taken one implementation after another do not compare at
+  small sizes.
 - Host-bound sizes: where the GPU work is shorter than the host's per-call cost (section above),
   each implementation's do_bench time is its Python/autograd/launch overhead, not its kernel
   ("do_bench / CUDA graph" well above 1). The CUDA-graph column gives the GPU time alone.
-  memplan's eager path is an autograd.Function over the same launchers as its torch.library
-  custom op, whose dispatch costs ~0.1 ms of host time per call; the custom op is used only
-  under torch.compile and for fake/meta tensors.
+  memplan's eager path is an autograd.Function made from the same declaration as its
+  torch.library custom op (memplan/kernels/_op.py), without the custom op's dispatch cost per
+  call; the custom op is used under torch.compile and for fake/meta tensors.
 - RMSNorm/LayerNorm memory: the backward's fp32 dW (and dB) partials are at most SMs x hidden
   (two programs per SM share a row through two atomic adds onto zero, deterministic), Liger's
   size; a Triton kernel sums them into the weight dtype without a staging buffer.""".splitlines()

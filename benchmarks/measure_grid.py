@@ -1,13 +1,13 @@
 """Measure a grid of training cases under the measurement protocol on one GPU, each in a fresh
-process, with the estimator's prediction beside each: the data behind docs/accuracy.md and
-tests/data/measurements_h100.json.
+process, with the estimator's prediction beside each: the data behind docs/accuracy.md
+(tests/data/measurements_h200.json, benchmarks/results_grid_h200.json).
 
     python benchmarks/measure_grid.py [--out-dir DIR] [--budget-s 450] [--only REGEX] [--list]
 
-Families llama-3.2-1b, qwen3-0.6b, qwen2.5-1.5b, gemma-2b and a 4-layer cut of llama-3-8b;
-batch x seq, bf16 / amp-bf16 / fp32, checkpointing, eager attention and LoRA on some; every
-setup twice, with kernels none and with the kernels the advisor picks. Sized for an 80 GB H100
-(largest predicted peak about 62 GiB) and 3 steps per case.
+The grid (GRID): llama, qwen2/qwen3, gemma 1-3, mistral, phi3 and the two MoE families, whole
+or cut to a few layers; batch x seq up to 32K tokens; bf16 / amp-bf16 / amp-fp16 / fp32,
+checkpointing, eager attention, LoRA, gradient accumulation, other optimizers; every setup with
+kernels none and with the kernels the advisor picks, 3 steps per case.
 
 Writes into --out-dir (default $OUT, else ./grid_out), after every case so a run cut short keeps
 what it measured: grid_results.json (memplan Report: every raw measurement, the prediction where
@@ -96,7 +96,7 @@ GRID: list[Config] = [
     Config("phi-3-mini", 2, 1024, {"precision": "fp32"}, layers=4),
     Config("llama-3.2-1b", 2, 1024, {**LORA_QV, "precision": "amp-bf16"}),
     Config("qwen3-0.6b", 2, 1024, {**LORA_QV, "precision": "amp-bf16", "grad_checkpointing": True}),
-    # Combinations not measured before (session 9): adapters on the MLP (the GLU kernels keep
+    # Combinations beyond the first grid: adapters on the MLP (the GLU kernels keep
     # nn.Linear's call), LoRA in fp32 and under amp on other families, fp16 autocast,
     # checkpointing with eager attention and with accumulation.
     Config(

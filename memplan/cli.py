@@ -142,6 +142,9 @@ def advise(**opts: Any) -> None:
         safety_margin=opts["safety_margin"],
         method=None if opts["method"] == "auto" else opts["method"],
     )
+    from memplan.versions import warn_if_unvalidated
+
+    warn_if_unvalidated()  # on stderr, after the input was found good: errors stay one line
     if opts["as_json"]:
         click.echo(advice.model_dump_json(indent=2))
         return

@@ -358,7 +358,7 @@ class ProfileTable(BaseModel):
 
 
 class Measurement(BaseModel):
-    """One run of the measurement protocol (shared/reference/measurement_protocol.md)."""
+    """One run of the measurement protocol (docs/measurement_protocol.md)."""
 
     case: str
     model: str

@@ -27,6 +27,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def validated_versions(monkeypatch):
+    """memplan reads the installed versions as one of its validated setups, so what it prints
+    does not depend on where the tests run (tests/test_versions.py checks the warning itself)."""
+    import memplan.versions
+
+    ci = next(v for v in memplan.versions.VALIDATED if v.gpu is None)
+    pinned = {"torch": ci.torch, "triton": ci.triton, "transformers": ci.transformers}
+    monkeypatch.setattr(memplan.versions, "installed_versions", lambda: dict(pinned))
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_GPU else "cpu"
@@ -64,6 +75,9 @@ class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         known = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.set_:
+            # points a tensor at an existing storage (Triton's interpreter does, around launches)
+            return out
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.numel() > 1000:
                 if t.untyped_storage().data_ptr() not in known:

@@ -25,9 +25,9 @@ from memplan.render import gib, print_advice
 from memplan.schema import TrainSetup
 
 
-def rendered(advice) -> str:
+def rendered(advice, width: int = 200) -> str:
     out = io.StringIO()
-    print_advice(advice, Console(file=out, width=200))
+    print_advice(advice, Console(file=out, width=width))
     return out.getvalue()
 
 
@@ -213,3 +213,89 @@ def test_gpu_memory_must_exceed_the_cuda_context() -> None:
         advise("gemma-7b", 1, 1, gpu_mem="24")
     with pytest.raises(UsageError, match="CUDA context"):
         advise("gemma-7b", 1, 1, gpu_mem="512MiB")
+
+
+@pytest.mark.parametrize("option", ["lora_rank", "flce_chunk"])
+@pytest.mark.parametrize("value", [True, 2.0])
+def test_counts_of_the_python_api_are_positive_integers_not_bools(option, value) -> None:
+    """lora_rank=True planned a rank-1 LoRA and flce_chunk=True a 1-row chunk; 2.0 was taken
+    as 2, where batch=2.0 is refused."""
+    with pytest.raises(UsageError, match="positive integer"):
+        advise("llama-3.2-1b", 2, 64, **{option: value})
+
+
+def test_lora_targets_may_be_a_comma_separated_string() -> None:
+    """A string was split into characters: "llama has no LoRA target q, _, p, r, o, j"."""
+    advice = advise("llama-3.2-1b", 2, 64, lora_rank=8, lora_targets="q_proj, k_proj")
+    assert advice.setup.lora_targets == ("q_proj", "k_proj")
+
+
+def test_suggestions_that_drop_the_users_flce_chunk_say_so() -> None:
+    """With --flce-chunk 32768 the first suggestion read 'kernels rms_norm, rope, swiglu, flce',
+    the user's own kernels, while what made it fit was memplan's FLCE setting in place of the
+    chunk: re-running with those kernels and the chunk still did not fit."""
+    chunk = 32768
+    advice = advise("llama-3.2-1b", 16, 4096, gpu="h100", flce_chunk=chunk)
+    assert not advice.fits and advice.suggestions
+    for suggestion in advice.suggestions:
+        st = suggestion.setup
+        kept = st.flce_chunk == chunk
+        assert kept or f"memplan's FLCE setting instead of your chunk of {chunk} rows" in (
+            suggestion.description
+        )
+        rerun = advise(
+            "llama-3.2-1b",
+            st.batch,
+            st.seq,
+            gpu="h100",
+            grad_checkpointing=st.grad_checkpointing,
+            lora_rank=st.lora_rank,
+            lora_targets=st.lora_targets if st.lora_rank else None,
+            grad_accum=st.grad_accum,
+            kernels=list(st.kernels),
+            flce_chunk=chunk if kept else None,
+        )
+        assert rerun.peak_bytes == suggestion.peak_bytes and rerun.fits and suggestion.fits
+
+
+@pytest.mark.parametrize("lora_rank", [None, 8])
+def test_why_names_the_weights_when_they_alone_do_not_fit(lora_rank) -> None:
+    """llama-3-70b on an L4: 131 GiB of bf16 weights. The Why line advised LoRA, with LoRA
+    already on, and without it LoRA could not help either."""
+    advice = advise("llama-3-70b", 1, 512, gpu="l4", lora_rank=lora_rank)
+    weights = advice.estimate.breakdown["weights"]
+    assert not advice.fits and weights > advice.gpu.capacity
+    why = next(line for line in _rendered(advice).splitlines() if line.startswith("Why:"))
+    assert "weights alone" in why and "LoRA" not in why and "FSDP" in why
+
+
+def test_why_does_not_advise_lora_when_lora_is_on() -> None:
+    """The optimizer step does not fit but the weights do: LoRA is suggested only without it."""
+    for lora_rank, gpu_mem in ((None, "8GiB"), (8, "3.2GiB")):
+        advice = advise("llama-3.2-1b", 1, 512, gpu_mem=gpu_mem, lora_rank=lora_rank)
+        step = [p for p in advice.estimate.timeline if p.phase == "optimizer"][-1]
+        limit = advice.gpu.capacity
+        assert advice.estimate.breakdown["weights"] <= limit < step.allocated_bytes
+        why = next(line for line in _rendered(advice).splitlines() if line.startswith("Why:"))
+        assert "optimizer step alone" in why
+        assert ("LoRA" in why) == (lora_rank is None)
+
+
+def test_small_trainable_counts_are_not_printed_as_zero() -> None:
+    """smollm2-135m with LoRA r=8 on q and v trains 460,800 parameters, printed '0.000B'."""
+    advice = advise("smollm2-135m", 1, 64, lora_rank=8)
+    assert advice.estimate.trainable_params == 460_800
+    setup_line = next(line for line in _rendered(advice).splitlines() if line.startswith("Setup:"))
+    assert "(461K trainable)" in setup_line
+
+
+def _rendered(advice) -> str:
+    import io
+
+    from rich.console import Console
+
+    from memplan.render import print_advice
+
+    out = io.StringIO()
+    print_advice(advice, Console(file=out, width=300))
+    return out.getvalue()

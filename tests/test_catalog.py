@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 
-import httpx
 import pytest
 
+from memplan.advisor import advise
 from memplan.catalog import (
     SUPPORTED_MODEL_TYPES,
     catalog_model,
@@ -401,6 +401,16 @@ def test_multimodal_gemma3_config_resolves_to_its_text_config(tmp_path):
 # ----------------------------------------------------------------------------- hub ids
 
 
+def _hub_http():
+    """The HTTP library huggingface_hub raises from: httpx up to huggingface_hub 1.x, its fork
+    httpx2 from 2.x (what the latest transformers installs)."""
+    import importlib
+
+    import huggingface_hub.errors
+
+    return importlib.import_module(huggingface_hub.errors.Response.__module__.split(".")[0])
+
+
 def _fake_autoconfig(monkeypatch, *, cached: bool, on_hub: bool):
     """AutoConfig.from_pretrained and the hub's HEAD request, recording their calls."""
     import huggingface_hub
@@ -420,7 +430,7 @@ def _fake_autoconfig(monkeypatch, *, cached: bool, on_hub: bool):
     def get_hf_file_metadata(url, timeout=None):
         calls.append(("HEAD", url))
         if not on_hub:
-            raise httpx.ConnectError("[Errno -2] Name or service not known")
+            raise _hub_http().ConnectError("[Errno -2] Name or service not known")
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
@@ -503,9 +513,10 @@ def test_invalid_hub_id_makes_no_request(monkeypatch):
 def _http_error(kind, status):
     import huggingface_hub.errors
 
-    request = httpx.Request("HEAD", "https://huggingface.co/a/b/resolve/main/config.json")
+    http = _hub_http()
+    request = http.Request("HEAD", "https://huggingface.co/a/b/resolve/main/config.json")
     error_type = getattr(huggingface_hub.errors, kind)
-    return error_type(kind, response=httpx.Response(status, request=request))
+    return error_type(kind, response=http.Response(status, request=request))
 
 
 @pytest.mark.parametrize(
@@ -628,7 +639,11 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     mlp = layer.mlp
     assert hasattr(mlp, "gate_up_proj") == spec.fused_gate_up
     acts = [m for name, m in layer.named_modules() if name.endswith(("act_fn", "activation_fn"))]
-    assert acts and type(acts[0]) is type(ACT2FN[spec.hidden_act])
+    # Gemma's "gelu" builds exact GELU up to transformers 5.22 and tanh GELU from 5.23 on (its
+    # config rewrites the name): the same memory; the patch reads the built act_fn itself.
+    gelus = {type(ACT2FN[name]) for name in ("gelu", "gelu_pytorch_tanh")}
+    expected = gelus if spec.hidden_act == "gelu" else {type(ACT2FN[spec.hidden_act])}
+    assert acts and type(acts[0]) in expected
     if spec.num_experts:
         gate_up = mlp.experts.gate_up_proj
         assert gate_up.shape[0] == spec.num_experts
@@ -755,3 +770,25 @@ def test_gpu_memory_overrides():
     assert h100.name == "H100 80GB SXM" and h100.memory_bytes == 70 * GIB
     with pytest.raises(UsageError):
         resolve_gpu(memory="big")
+
+
+@pytest.mark.parametrize(
+    "path", ["C:/models/llama-3", "C:\\models\\llama-3", "d:\\ckpt", "..\\ckpt\\config"]
+)
+def test_a_missing_windows_path_is_no_such_file(path) -> None:
+    """A Windows path that does not exist fell through to the hub id check ('C:/x/y': "not a
+    valid repository id", exit 2) or the catalog's unknown name ('C:\\x'), where the POSIX
+    forms ('/x', './x', '../x', '.\\x') say "no such file or folder" (exit 1)."""
+    with pytest.raises(MemplanError, match="no such file or folder") as raised:
+        resolve_model(path)
+    assert raised.value.exit_code == 1
+
+
+def test_a_name_replaced_by_a_catalog_entry_is_a_warning() -> None:
+    """microsoft/Phi-3-mini-128k-instruct was silently predicted as the catalog's 4k model
+    (another sliding window and max_position_embeddings), with nothing saying so."""
+    advice = advise("microsoft/Phi-3-mini-128k-instruct", 1, 512)
+    assert advice.model == "phi-3-mini"
+    assert any("microsoft/Phi-3-mini-4k-instruct" in w for w in advice.warnings)
+    for exact in ("phi-3-mini", "microsoft/Phi-3-mini-4k-instruct", " PHI-3-MINI "):
+        assert not any("catalog" in w for w in advise(exact, 1, 512).warnings)

@@ -239,3 +239,23 @@ def test_the_readme_shows_what_advise_prints() -> None:
     run = memplan("advise", "--model", "gemma-7b", "--batch", "8", "--seq", "4096")
     printed = [line.rstrip() for line in run.stdout.rstrip("\n").splitlines()]
     assert "\n".join(shown).rstrip("\n") == "\n".join(printed)
+
+
+def test_models_json_has_what_the_table_shows() -> None:
+    """`memplan models --json` gave only the configs: no hub id, no parameter count."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "memplan", "models", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    listing = json.loads(run.stdout)
+    entry = listing["llama-3.2-1b"]
+    assert entry["hf_id"] == "meta-llama/Llama-3.2-1B"
+    assert entry["params"] == 1_235_814_400
+    assert entry["config"]["hidden_size"] == 2048

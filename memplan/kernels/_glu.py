@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from memplan.errors import UsageError
+from memplan.kernels._op import Op, launcher, use_custom_op
 from memplan.kernels._utils import (
     as_rows,
     cdiv,
@@ -35,7 +36,6 @@ from memplan.kernels._utils import (
     may_write_over,
     memory_overlaps,
     on_device,
-    use_custom_op,
 )
 
 
@@ -45,8 +45,7 @@ def tile_of(pid, n_col_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     group are consecutive programs, so neighbouring programs touch neighbouring memory (a 2-d
     grid with rows on axis 0 walks down a column block instead). Row indices are int64.
     n_col_blocks comes from the host: Triton specializes an integer argument equal to 1, so for
-    rows of one block the division below folds away. Computed in the kernel, it cost 4096 x 1024
-    SwiGLU 13.5 against 11.3 us forward+backward on an H200 (benchmarks/probe_glu_small.py)."""
+    rows of one block the division below folds away."""
     pid = pid.to(tl.int64)
     rows = (pid // n_col_blocks) * ROWS + tl.arange(0, ROWS)
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -68,16 +67,9 @@ def store_tile(ptr, row_stride, rows, cols, value, mask):
 
 
 # The eviction policy ("" for the default) of the loads of each kernel: the forward's of gate and
-# up, the backward's of d_out and of gate and up. Triton lowers "evict_last" to L1::evict_last
-# with an L2::evict_last cache policy; the lines of the outputs, stored with the default policy,
-# then leave the L2 first. Measured on an H200 (benchmarks/probe_glu_eviction.py), evict_last on
-# every load against the default:
-# - forward+backward in place (bench_kernels.py's judged row), 16384 x 8192 to 65536 x 4096:
-#   0.990-0.995 x torch.compile's time, against 1.001-1.007;
-# - the backward alone after down_proj's d_product GEMM, as in training: 8192 x 14336 SwiGLU
-#   326.5 against 335.1 us, 8192 x 24576 GeGLU 559.7 against 576.1 us;
-# - Nsight Compute: the same DRAM bytes in that backward and in the GEMM after it (1.05-1.06 GB
-#   read, 1.18-1.19 ms): the sticky lines do not cost the next kernel its L2.
+# up, the backward's of d_out and of gate and up. "evict_last" keeps the inputs in the L2 while
+# the outputs, stored with the default policy, leave it first: the in-place backward then does
+# not lose to an out-of-place one (docs/bench_kernels.md, GLU eviction policies).
 EVICTION = {
     "forward": "evict_last",
     "backward_dout": "evict_last",
@@ -90,8 +82,9 @@ def _grid(n_rows: int, rows: int, n_col_blocks: int) -> tuple[int]:
 
 
 class GluOp:
-    """One gated activation: `forward(gate, up)`, `backward(dout, gate, up)` and the fused,
-    differentiable `__call__(gate, up, in_place_backward=...)`, registered as memplan::{name}."""
+    """One gated activation: the launchers `forward(gate, up)` and `backward(dout, gate, up)`,
+    the op made from them (memplan.kernels._op), and the differentiable
+    `__call__(gate, up, in_place_backward=..., down=...)`."""
 
     def __init__(self, name: str, forward_kernel, backward_kernel, **constants) -> None:
         self.name = name
@@ -180,87 +173,64 @@ class GluOp:
             )
         return dgate, dup
 
-    def _register(self) -> None:
-        """The torch.library custom ops (torch.compile, fake and meta tensors) and the eager
-        autograd.Function (plain tensors: see memplan.kernels._utils.use_custom_op)."""
-        name, forward, backward = self.name, self.forward, self.backward
+    def gradients(
+        self,
+        ctx,
+        dout: torch.Tensor,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        product: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d_gate, d_up) of the saved gate and up: written over them where _in_place_allowed
+        (eager tensors), else new; with `product`, act(gate) * up is written there too."""
+        # the custom-op check first: _in_place_allowed reads addresses, which traced tensors lack
+        if not use_custom_op(dout) and _in_place_allowed(ctx, gate, up):
+            self.backward(dout, gate, up, dgate=gate, dup=up, product=product)
+            _mark_overwritten(gate, up)
+            return gate.view(gate.shape), up.view(up.shape)
+        if product is None:
+            return self._backward_launch(dout, gate, up)
+        return self.backward(dout, gate, up, product=product)
 
-        def op(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool) -> torch.Tensor:
+    def _register(self) -> None:
+        """The op (memplan.kernels._op): memplan::{name} and memplan::{name}_backward."""
+        forward, backward = self.forward, self.backward
+
+        def op_forward(
+            gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool
+        ) -> torch.Tensor:
             return forward(gate, up)
 
-        def backward_op(
+        def backward_launch(
             dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return backward(dout, gate, up)
 
-        custom = torch.library.custom_op(f"memplan::{name}", op, mutates_args=())
-        custom.register_fake(lambda gate, up, in_place_backward: gate.new_empty(gate.shape))
-        custom_backward = torch.library.custom_op(
-            f"memplan::{name}_backward", backward_op, mutates_args=()
-        )
-        custom_backward.register_fake(
-            lambda dout, gate, up: (gate.new_empty(gate.shape), up.new_empty(up.shape))
-        )
-
-        @first_order_only
-        def gradients(ctx, dout):
-            """Gradients of (gate, up, in_place_backward); out of place under the custom op."""
-            gate, up = ctx.saved_tensors
-            if use_custom_op(dout):
-                dgate, dup = custom_backward(dout, gate, up)
-            elif _in_place_allowed(ctx, gate, up):
-                backward(dout, gate, up, dgate=gate, dup=up)
-                _mark_overwritten(gate, up)
-                dgate, dup = gate.view(gate.shape), up.view(up.shape)
-            else:
-                dgate, dup = backward(dout, gate, up)
-            return dgate, dup, None
+        def backward_fake(dout, gate, up):
+            return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
         def setup_context(ctx, inputs, output):
+            """Saves gate and up only: backward recomputes the activation."""
             gate, up, in_place_backward = inputs
             ctx.save_for_backward(gate, up)
             ctx.in_place_backward = in_place_backward
 
-        custom.register_autograd(gradients, setup_context=setup_context)
+        @first_order_only
+        def gradients(ctx, dout):
+            """Gradients of (gate, up, in_place_backward)."""
+            gate, up = ctx.saved_tensors
+            return (*self.gradients(ctx, dout, gate, up), None)
 
-        class Function(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, gate, up, in_place_backward):
-                setup_context(ctx, (gate, up, in_place_backward), None)
-                return forward(gate, up)
-
-            backward = staticmethod(gradients)
-
-        class DownFunction(torch.autograd.Function):
-            """down(act(gate) * up) saving gate and up, not the product."""
-
-            @staticmethod
-            def forward(ctx, gate, up, weight, bias, in_place_backward):
-                ctx.save_for_backward(gate, up, weight)
-                ctx.in_place_backward = in_place_backward
-                ctx.has_bias = bias is not None
-                return F.linear(forward(gate, up), weight, bias)
-
-            @staticmethod
-            @first_order_only
-            def backward(ctx, d_out):
-                gate, up, weight = ctx.saved_tensors
-                d_weight = d_bias = None
-                d_rows = d_out.reshape(-1, d_out.shape[-1])
-                if ctx.needs_input_grad[3]:
-                    d_bias = d_rows.sum(0)
-                buffer = torch.matmul(d_out, weight)  # d_product, then the product over it
-                if _in_place_allowed(ctx, gate, up):
-                    backward(buffer, gate, up, dgate=gate, dup=up, product=buffer)
-                    _mark_overwritten(gate, up)
-                    d_gate, d_up = gate.view(gate.shape), up.view(up.shape)
-                else:
-                    d_gate, d_up = backward(buffer, gate, up, product=buffer)
-                if ctx.needs_input_grad[2]:
-                    d_weight = d_rows.t().mm(buffer.view(-1, buffer.shape[-1]))
-                return d_gate, d_up, d_weight, d_bias, None
-
-        self._custom, self._function, self._down_function = custom, Function, DownFunction
+        self._backward_launch = launcher(f"{self.name}_backward", fake=backward_fake)(
+            backward_launch
+        )
+        self.op = Op(
+            self.name,
+            op_forward,
+            fake=lambda gate, up, in_place_backward: gate.new_empty(gate.shape),
+            setup_context=setup_context,
+            backward=gradients,
+        )
 
     def __call__(
         self,
@@ -277,12 +247,35 @@ class GluOp:
                 f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}."
             )
         if down is not None and recompute_product(down, gate):
-            return self._down_function.apply(gate, up, down.weight, down.bias, in_place_backward)
-        if use_custom_op(gate):
-            product = self._custom(gate, up, in_place_backward)
-        else:
-            product = self._function.apply(gate, up, in_place_backward)
+            return _DownProjected.apply(gate, up, down.weight, down.bias, in_place_backward, self)
+        product = self.op(gate, up, in_place_backward)
         return product if down is None else down(product)
+
+
+class _DownProjected(torch.autograd.Function):
+    """down(act(gate) * up) saving gate and up, not the product (eager tensors only: see
+    recompute_product)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, in_place_backward, glu: GluOp):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.in_place_backward = in_place_backward
+        ctx.glu = glu
+        return F.linear(glu.forward(gate, up), weight, bias)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, d_out):
+        gate, up, weight = ctx.saved_tensors
+        d_weight = d_bias = None
+        d_rows = d_out.reshape(-1, d_out.shape[-1])
+        if ctx.needs_input_grad[3]:
+            d_bias = d_rows.sum(0)
+        buffer = torch.matmul(d_out, weight)  # d_product, then the product over it
+        d_gate, d_up = ctx.glu.gradients(ctx, buffer, gate, up, product=buffer)
+        if ctx.needs_input_grad[2]:
+            d_weight = d_rows.t().mm(buffer.view(-1, buffer.shape[-1]))
+        return d_gate, d_up, d_weight, d_bias, None, None
 
 
 def _in_place_allowed(ctx, gate: torch.Tensor, up: torch.Tensor) -> bool:

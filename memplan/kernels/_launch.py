@@ -2,12 +2,10 @@
 whose specialization was seen before launches the compiled kernel directly.
 
 Triton's `kernel[grid](*args)` binds and specializes every argument on each call, builds a cache
-key and looks the compiled kernel up. On the H200 benchmark host a launch took 12.3 us with 2
-arguments and 20.3 us with 31 that way, and 8.1 and 18.3 us through this wrapper, whose own key
-costs a little per argument (benchmarks/probe_host.py --args, session 12).
-
-The wrapper keys its own cache by exactly what Triton specializes a call on, for the argument types
-memplan's kernels take (triton/backends/compiler.py, runtime/jit.py, versions 3.6 and 3.9):
+key and looks the compiled kernel up; at the kernels' small sizes that host time exceeds the GPU
+time (docs/bench_kernels.md, host cost per call). The wrapper keys its own cache by exactly what
+Triton specializes a call on, for the argument types memplan's kernels take (read from
+triton/backends/compiler.py and runtime/jit.py):
 - a tensor: its dtype, and whether its address is a multiple of 16 ("D");
 - an int: whether it is 1 (then a constexpr), a multiple of 16 ("D"), and its type (i32, i64 or
   u64 by range);
@@ -16,9 +14,10 @@ memplan's kernels take (triton/backends/compiler.py, runtime/jit.py, versions 3.
   current device.
 Anything else (bools or other objects as runtime arguments, a kernel signature with a runtime
 argument after a constexpr), a launch hook (profilers set one), Triton's interpreter, ROCm, or a
-Triton version outside the checked range take Triton's own path on every call. So does the first
-call of each key, which compiles if needed and launches; later calls reuse the compiled kernel it
-used. Launches return nothing."""
+Triton release other than the ones it was tested on take Triton's own path on every call. So does
+the first call of each key, which compiles if needed and launches; later calls reuse the compiled
+kernel it used. Launches return nothing. `FastKernel.kernel` is the kernel itself, for a launch
+through Triton's own path."""
 
 from __future__ import annotations
 
@@ -36,14 +35,10 @@ try:
 except ImportError:  # Triton before 3.4: no knobs module, and no fast path
     knobs = JITFunction = None
 
-# Triton versions whose launch path the key mirrors: the compiled kernel's launcher takes every
-# argument in signature order, constexprs included, and specializes as described above. 3.6 was
-# checked on the GPU (tests/kernels/test_fast_launch.py), 3.9 by reading its source.
-CHECKED_VERSIONS = ((3, 6), (3, 9))
-
-# False: every call through Triton's own launch (for side-by-side host timings,
-# benchmarks/probe_host.py).
-ENABLED = True
+# The Triton releases whose launch path the key mirrors (the compiled kernel's launcher takes
+# every argument in signature order, constexprs included): 3.6.0 tested on the GPU by
+# tests/kernels/test_fast_launch.py, 3.9.0 by its key test against Triton's own specialization.
+TESTED_VERSIONS = ("3.6.0", "3.9.0")
 
 _I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
 
@@ -53,15 +48,14 @@ class UnsupportedArgument(TypeError):
 
 
 def version_checked(version: str = triton.__version__) -> bool:
-    major_minor = tuple(int(part) for part in version.split(".")[:2])
-    return CHECKED_VERSIONS[0] <= major_minor <= CHECKED_VERSIONS[1]
+    """Whether `version` is a Triton release the key was tested on."""
+    return version in TESTED_VERSIONS
 
 
 def arguments_key(args: tuple) -> list[tuple]:
     """What Triton's specialization of each runtime argument depends on, in order. Runs for every
-    launch, so its checks stand in one loop rather than a call per argument: 2.8-3.9 against
-    3.1-5.6 us for the 13 arguments of an RMSNorm forward (three interleaved pairs on the
-    development CPU). Integers (strides, sizes) are the most common and are checked first."""
+    launch, so its checks stand in one loop rather than a call per argument; integers (strides,
+    sizes), the most common, are checked first."""
     key = []
     for arg in args:
         kind = type(arg)
@@ -112,7 +106,7 @@ class FastKernel:
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid: tuple[int, ...]):
-        if not (self._enabled and ENABLED) or type(grid) is not tuple:
+        if not self._enabled or type(grid) is not tuple:
             return self.kernel[grid]
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 

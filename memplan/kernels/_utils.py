@@ -1,5 +1,5 @@
-"""Small helpers shared by the kernel files: contiguity, launch parameters, dtype mapping, and
-the choice between the eager path and the torch.library custom op."""
+"""Small helpers shared by the kernel files: launch parameters, row views and new outputs,
+argument checks, and the first-order-only backward."""
 
 from __future__ import annotations
 
@@ -19,33 +19,10 @@ from memplan.errors import UsageError
 # Largest row a one-program-per-row kernel holds in registers (elements); wider rows would spill.
 MAX_FUSED_SIZE = 65536
 
-_TORCH_TO_TRITON = {
-    torch.float32: tl.float32,
-    torch.float16: tl.float16,
-    torch.bfloat16: tl.bfloat16,
-    torch.float64: tl.float64,
-    torch.int64: tl.int64,
-    torch.int32: tl.int32,
-}
-
-
-def ensure_contiguous(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: every tensor argument (positional or keyword) is made contiguous first."""
-
-    def _c(value: Any) -> Any:
-        return value.contiguous() if isinstance(value, torch.Tensor) else value
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return fn(*(_c(a) for a in args), **{k: _c(v) for k, v in kwargs.items()})
-
-    return wrapper
-
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for launch arithmetic. triton.cdiv and triton.next_power_of_2 are
-    ConstexprFunctions (triton 3.6 and 3.9) costing ~3 us of host time per call from Python:
-    ten calls were half of an RMSNorm forward+backward's host time outside the launches."""
+    """ceil(a / b) for launch arithmetic: triton.cdiv and triton.next_power_of_2 are
+    ConstexprFunctions, slow to call from Python on every launch."""
     return -(-a // b)
 
 
@@ -76,21 +53,6 @@ def elementwise_launch_config(n_cols: int) -> tuple[int, int, int]:
     block = min(next_power_of_2(n_cols), ELEMENTWISE_TILE)
     rows = ELEMENTWISE_TILE // block
     return rows, block, num_warps_for(rows * block)
-
-
-def torch_to_triton_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The Triton dtype of a torch dtype (float and integer types used by the kernels)."""
-    try:
-        return _TORCH_TO_TRITON[dtype]
-    except KeyError as exc:
-        raise ValueError(f"no Triton dtype for {dtype}") from exc
-
-
-def is_interpreter() -> bool:
-    """True when Triton runs kernels in the CPU interpreter (TRITON_INTERPRET=1)."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def num_sms(device: torch.device | str | int | None = None) -> int:
@@ -195,27 +157,15 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return _CURRENT_DEVICE_ONLY
 
 
-def use_custom_op(t: torch.Tensor) -> bool:
-    """Whether an op must go through its torch.library custom op: while torch.compile traces,
-    and for tensor subclasses (fake tensors, ...) or meta tensors, which need register_fake.
-    Plain eager tensors take an autograd.Function over the same launchers instead: the custom
-    op's dispatch (with its dynamo-disable wrapper) cost ~0.1 ms of host time per call on the
-    benchmark host, more than the kernel itself below ~50M elements (docs/bench_kernels.md)."""
-    return torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.is_meta
-
-
 def norm_forward_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps) for the RMSNorm/LayerNorm forward, one tile of ROWS rows per
-    program. Measured on H200 (--tune of benchmarks/bench_kernels.py): ~4K elements per program
-    (narrow rows grouped), warps from num_warps_for but 8 for 8192-element rows: 98% of copy
-    bandwidth at 4K and 16K hidden, 76% at 1K."""
+    program: ~4K elements per program (narrow rows grouped), warps from num_warps_for but 8 for
+    8192-element tiles (the launch sweep `bench_kernels.py --tune`, docs/bench_kernels.md)."""
     block_n = next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise UsageError(f"fused norms support rows of at most {MAX_FUSED_SIZE}, got {n_cols}.")
     rows = max(1, min(16, 4096 // block_n))
     tile = block_n * rows
-    # 8192-element rows: 8 warps, not 16. H200, GPU time at 65536 x 8192: RMSNorm 515 against
-    # 527 us, LayerNorm 508 against 568 us (benchmarks/bench_kernels.py --tune --ops layer_norm).
     return block_n, rows, 8 if tile == 8192 else num_warps_for(tile)
 
 
@@ -233,13 +183,8 @@ class NormBackwardConfig(NamedTuple):
 
 
 # Rows of 4096 elements and wider (one row per loop step): (num_warps, weight_from_cache) by op
-# and row block where they beat num_warps_for(block) with the weight in registers. GPU time on
-# H200 (benchmarks/bench_kernels.py --tune --ops layer_norm), against that default:
-#   rms_norm 16384 x 16384: 484 against 519 us; 4099 x 16384: 131 against 141 us
-#   layer_norm 16384 x 16384: 699 against 920 us; 4099 x 16384: 188 against 239 us
-#   layer_norm 65536 x 8192: 1051 against 1206 us
-#   layer_norm 65536 x 4096: 496 against 562 us; 16384 x 4096: 135 against 152 us
-# Elsewhere nothing beat the default by more than 1% (RMSNorm at blocks 4096 and 8192).
+# and row block where the launch sweep (`bench_kernels.py --tune`) found them faster than
+# num_warps_for(block) with the weight in registers; elsewhere the default.
 WIDE_ROW_BACKWARD: dict[tuple[str, int], tuple[int, bool]] = {
     ("rms_norm", 16384): (8, True),
     ("layer_norm", 4096): (4, False),
@@ -254,10 +199,8 @@ def norm_backward_config(
     """Launch parameters for the norm backward kernels of `op` ("rms_norm" or "layer_norm"),
     where each program walks a contiguous range of rows and keeps a (hidden,) fp32 partial of
     dW: tiles of ~4K elements, 2 programs per SM up to 4K-element tiles (pairs share a partial
-    row: memplan.kernels._partials), 1 above; wider rows per WIDE_ROW_BACKWARD. Measured on H200
-    (--tune of benchmarks/bench_kernels.py): 80% of copy at 65536 x 4096 (the best of 4-32
-    warps, 1-8 rows and 1-8 programs per SM); at hidden 1K, 4 rows x 8 warps x 2 per SM take
-    51 us for 16384 rows against 45 us with 8 per SM, whose partials are 4x larger."""
+    row: memplan.kernels._norm_weight_grad), 1 above, which keeps the partials at Liger-Kernel's
+    size; wider rows per WIDE_ROW_BACKWARD."""
     block_n = next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise UsageError(f"fused norms support rows of at most {MAX_FUSED_SIZE}, got {n_cols}.")
@@ -286,16 +229,10 @@ def load_fp32(ptr, mask, EVICT_FIRST: tl.constexpr):
     return value.to(tl.float32)
 
 
-def flatten_rows(x: torch.Tensor) -> torch.Tensor:
-    """View x as (rows, last_dim), contiguous."""
-    return x.contiguous().view(math.prod(x.shape[:-1]), x.shape[-1])
-
-
 def empty_like_rows(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new contiguous tensor of t's shape and device, in `dtype` (t's by default): an output
-    the kernels index with unit column stride and their own row stride. torch.empty_like took
-    0.9-1.1 us of host time where torch.empty(t.shape, dtype=..., device=...) took 2.4-3.8 us
-    (two measurements on the development CPU), and this runs on every launch."""
+    the kernels index with unit column stride and their own row stride. empty_like, because it
+    costs less host time than torch.empty(shape, dtype=, device=) on every launch."""
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
 
 

@@ -14,6 +14,10 @@ Rows whose target is ignore_index have loss 0 and gradient 0. 'mean' divides by 
 non-ignored rows (at least 1, so an all-ignored batch gives 0, not nan) or by num_items_in_batch
 when given (gradient accumulation, as Hugging Face's ForCausalLMLoss). The loss is fp32."""
 
+from __future__ import annotations
+
+import dataclasses
+import functools
 import math
 import numbers
 
@@ -25,6 +29,7 @@ from torch import Tensor, nn
 
 from memplan.errors import UsageError
 from memplan.kernels._launch import fast_launch
+from memplan.kernels._op import Op, launcher
 from memplan.kernels._utils import (
     cdiv,
     first_order_only,
@@ -304,16 +309,126 @@ def _scale_rows_kernel(x_ptr, row_stride, n_cols, scale_ptr, BLOCK: tl.constexpr
         tl.store(ptr, (x * s).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+# --- options --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LossOptions:
+    """The options of memplan's losses (cross_entropy, fused_linear_cross_entropy and their
+    modules), checked once when made (UsageError) and held as Python numbers (numpy scalars are
+    accepted).
+
+    ignore_index: rows whose target is this have loss 0 and gradient 0.
+    label_smoothing: eps in [0, 1].
+    softcap: None (no cap), or c for logits c * tanh(x / c) (Gemma 2's final softcap).
+    z_loss_scale: z >= 0, z * lse^2 added to each row's loss.
+    reduction: 'mean', 'sum' or 'none'.
+    num_items_in_batch: what 'mean' divides by (a number or a one-element tensor, as in Hugging
+        Face's gradient accumulation); None: the number of non-ignored rows."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    softcap: float | None = None
+    z_loss_scale: float = 0.0
+    reduction: str = "mean"
+    num_items_in_batch: int | float | Tensor | None = None
+
+    def __post_init__(self) -> None:
+        reduction, smoothing, softcap = self.reduction, self.label_smoothing, self.softcap
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+            raise UsageError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if not is_real_number(smoothing) or not 0.0 <= smoothing <= 1.0:
+            raise UsageError(f"label_smoothing must be a number in [0, 1], got {smoothing!r}")
+        # A cap of inf would compute inf * tanh(x / inf) = inf * 0 = nan: no cap is None.
+        valid_cap = is_real_number(softcap) and SOFTCAP_MIN <= softcap <= SOFTCAP_MAX
+        if softcap is not None and not valid_cap:
+            raise UsageError(
+                f"softcap must be None (no cap) or a finite positive number in "
+                f"[{SOFTCAP_MIN:g}, {SOFTCAP_MAX:g}], got {softcap!r}"
+            )
+        z_loss_scale = self.z_loss_scale
+        if not is_real_number(z_loss_scale) or not 0.0 <= z_loss_scale < math.inf:
+            raise UsageError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
+        self._check_num_items()
+        ignore_index = self.ignore_index
+        # bool is an int subclass: True would silently ignore class 1.
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+            raise UsageError(f"ignore_index must be an integer, got {ignore_index!r}")
+        if not -(2**63) <= ignore_index < 2**63:
+            raise UsageError(f"ignore_index must fit in int64, got {ignore_index}")
+        set_ = functools.partial(object.__setattr__, self)
+        set_("ignore_index", int(ignore_index))
+        set_("label_smoothing", float(smoothing))
+        set_("softcap", None if softcap is None else float(softcap))
+        set_("z_loss_scale", float(z_loss_scale))
+
+    def _check_num_items(self) -> None:
+        count = self.num_items_in_batch
+        if count is None:
+            return
+        if self.reduction != "mean":
+            raise UsageError("num_items_in_batch applies to reduction='mean' only")
+        if not isinstance(count, Tensor) and not (is_real_number(count) and 0.0 < count < math.inf):
+            raise UsageError(f"num_items_in_batch must be a finite positive number, got {count!r}")
+        if isinstance(count, Tensor) and (count.numel() != 1 or count.dtype == torch.bool):
+            # (its value is not checked: that would cost a host sync per call)
+            raise UsageError(
+                "num_items_in_batch must be a number or a one-element numeric tensor, got a "
+                f"{count.dtype} tensor of shape {tuple(count.shape)}"
+            )
+
+    def with_items(self, num_items_in_batch: int | float | Tensor | None) -> LossOptions:
+        """These options with another num_items_in_batch (a module's per-call argument)."""
+        if num_items_in_batch is None and self.num_items_in_batch is None:
+            return self
+        return dataclasses.replace(self, num_items_in_batch=num_items_in_batch)
+
+    def op_args(self) -> tuple[int, float, float, float, str]:
+        """What the custom ops take for these options (a softcap of 0.0 is none)."""
+        return (
+            self.ignore_index,
+            self.label_smoothing,
+            self.softcap or 0.0,
+            self.z_loss_scale,
+            self.reduction,
+        )
+
+    @classmethod
+    def from_op_args(
+        cls, ignore_index: int, label_smoothing: float, softcap: float, z_loss_scale: float,
+        reduction: str,
+    ) -> LossOptions:  # fmt: skip
+        return cls(ignore_index, label_smoothing, softcap or None, z_loss_scale, reduction)
+
+    def divisor(self, device: torch.device) -> Tensor | None:
+        """num_items_in_batch as a 0-d fp32 tensor on the device (a tensor stays on the device),
+        or None."""
+        count = self.num_items_in_batch
+        if count is None:
+            return None
+        if isinstance(count, Tensor):
+            return count.detach().to(device=device, dtype=torch.float32).reshape(())
+        return torch.tensor(float(count), dtype=torch.float32, device=device)
+
+
+# Caps from here on take tanh's series near 0, where 1 - exp(-2|x|) loses the capped logit's
+# precision; below, the series would cost the common caps (Gemma 2's 30) time for nothing.
+SERIES_TANH_FROM = 1e3
+
+
+def softcap_mode(softcap: float) -> int:
+    """The kernels' HAS_SOFTCAP: 0 no cap (softcap 0.0), 1 a cap, 2 a cap large enough for
+    tanh's series near 0."""
+    if softcap <= 0.0:
+        return 0
+    return 2 if softcap >= SERIES_TANH_FROM else 1
+
+
 # --- launchers ------------------------------------------------------------------------------
 
-# Measured on an H200 (docs/bench_loss.md: launch-config sweep, probe_ce_l2.py): rows up to
-# SINGLE_BLOCK_MAX elements are held in registers (one read); longer rows are streamed in blocks
-# of LOOP_BLOCK, twice with the gradient (online max/sum, then the gradient), once without it.
-# With the gradient, 8 warps and L2 hints (evict_last on the first read, evict_first on the
-# second and on the store) took 0.94-0.98 x the time of the unhinted 8192-element blocks at
-# vocab 32000-256000 (the same hints on 8192-element blocks: 0.93-1.06 x). Without it, 4 warps:
-# 95-97% of copy, against 90-94% at 8192 with 8 warps. One 32K block in registers (1 program per
-# SM) was slower, and so were rows split over several programs or limited to a few per SM.
+# Rows up to SINGLE_BLOCK_MAX elements are held in registers (one read); longer rows are
+# streamed in blocks of LOOP_BLOCK, twice with the gradient (online max/sum, then the gradient),
+# once without it (launch-configuration sweep in docs/bench_loss.md).
 SINGLE_BLOCK_MAX = 8192
 LOOP_BLOCK = 4096
 # The two-pass FLCE's gradient-from-lse kernel (one read per slice of a row).
@@ -336,18 +451,15 @@ def launch_cross_entropy_forward(
     z_rows: Tensor | None,
     lse_rows: Tensor | None,
     scale: Tensor,
+    options: LossOptions,
     *,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float,
-    z_loss_scale: float,
     row_scale: bool = False,
     block: int | None = None,
     num_warps: int | None = None,
 ) -> None:
     """Loss (and z-loss, lse) per row into fp32 buffers; the gradient, scaled by `scale` (one
     value, or one per row when row_scale), into `grad` (which may be `logits` itself) unless
-    grad is None. logits: (rows, V) with unit column stride."""
+    grad is None. logits: (rows, V) with unit column stride. The reduction is the caller's."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -356,6 +468,7 @@ def launch_cross_entropy_forward(
         single = block >= n_cols
     block = block or cfg_block
     num_warps = num_warps or cfg_warps
+    softcap = options.softcap or 0.0
     _cross_entropy_fwd_kernel[(n_rows,)](
         logits,
         logits.stride(0),
@@ -367,18 +480,19 @@ def launch_cross_entropy_forward(
         lse_rows if lse_rows is not None else loss_rows,
         scale,
         n_cols,
-        ignore_index,
-        label_smoothing,
+        options.ignore_index,
+        options.label_smoothing,
         softcap,
-        z_loss_scale,
+        options.z_loss_scale,
         HAS_SOFTCAP=softcap_mode(softcap),
-        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_SMOOTHING=options.label_smoothing > 0.0,
         HAS_Z_LOSS=z_rows is not None,
         COMPUTE_GRAD=grad is not None,
         STORE_LSE=lse_rows is not None,
         ROW_SCALE=row_scale,
         BLOCK=block,
         SINGLE_BLOCK=single,
+        # evict_last on a streamed row's first read keeps it for the second (the gradient)
         FIRST_READ="evict_last" if grad is not None and not single else "",
         num_warps=num_warps,
     )
@@ -389,13 +503,10 @@ def launch_cross_entropy_grad_from_lse(
     target: Tensor,
     lse_rows: Tensor,
     scale: Tensor,
+    options: LossOptions,
     *,
     vocab_start: int,
     vocab_size: int,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float,
-    z_loss_scale: float,
     row_scale: bool = False,
 ) -> None:
     """Overwrite a vocabulary slice of logits (rows, n_cols) with its gradient, given lse."""
@@ -404,6 +515,7 @@ def launch_cross_entropy_grad_from_lse(
         return
     block = min(next_power_of_2(max(n_cols, 1)), SLICE_BLOCK)
     num_warps = 8 if block >= 2048 else 4
+    softcap = options.softcap or 0.0
     _cross_entropy_grad_from_lse_kernel[(n_rows,)](
         logits,
         logits.stride(0),
@@ -413,13 +525,13 @@ def launch_cross_entropy_grad_from_lse(
         vocab_start,
         n_cols,
         vocab_size,
-        ignore_index,
-        label_smoothing,
+        options.ignore_index,
+        options.label_smoothing,
         softcap,
-        z_loss_scale,
+        options.z_loss_scale,
         HAS_SOFTCAP=softcap_mode(softcap),
-        HAS_SMOOTHING=label_smoothing > 0.0,
-        HAS_Z_LOSS=z_loss_scale > 0.0,
+        HAS_SMOOTHING=options.label_smoothing > 0.0,
+        HAS_Z_LOSS=options.z_loss_scale > 0.0,
         ROW_SCALE=row_scale,
         BLOCK=block,
         num_warps=num_warps,
@@ -443,9 +555,8 @@ def _scale_all_kernel(x_ptr, row_stride, n_cols, n_tiles, scale_ptr, BLOCK: tl.c
             tl.store(ptr, (x * s).to(x_ptr.dtype.element_ty), mask=mask)
 
 
-# Programs per SM of the one-scale kernel: when the scale is 1 (a loss backpropagated directly)
-# each only reads it, so the launch costs a few us instead of one program per row of dW
-# (0.09 ms per step at 128256 rows on an H200, benchmarks/profile_e2e.py).
+# Programs per SM of the one-scale kernel: when the scale is 1 each program only reads it, so a
+# bounded grid costs a few us where one program per row of dW would not.
 SCALE_PROGRAMS_PER_SM = 4
 
 
@@ -466,16 +577,19 @@ def launch_scale_rows_(x: Tensor, scale: Tensor) -> None:
     _scale_rows_kernel[grid](rows, rows.stride(0), n_cols, scale, BLOCK=block, num_warps=8)
 
 
-# --- custom ops -----------------------------------------------------------------------------
+@launcher("scale_", fake=lambda x, scale: None, mutates_args=("x",))
+def scale_(x: Tensor, scale: Tensor) -> None:
+    """x *= scale in place; scale is a 0-d/1-element tensor or one value per row of x."""
+    launch_scale_rows_(x, scale.detach().to(torch.float32).contiguous().reshape(-1))
 
 
-def grad_scale(target: Tensor, divisor: Tensor | None, ignore_index: int, reduction: str) -> Tensor:
+def grad_scale(target: Tensor, divisor: Tensor | None, options: LossOptions) -> Tensor:
     """One fp32 value that the per-row gradients are multiplied by: 1 / (number of non-ignored
     rows, at least 1) or 1 / divisor for 'mean', 1 otherwise. Stays on the device (no sync)."""
-    if reduction != "mean":
+    if options.reduction != "mean":
         return torch.ones(1, dtype=torch.float32, device=target.device)
     if divisor is None:
-        divisor = (target != ignore_index).sum().clamp_min(1)
+        divisor = (target != options.ignore_index).sum().clamp_min(1)
     return divisor.to(torch.float32).reciprocal().reshape(1)
 
 
@@ -486,46 +600,29 @@ def reduce_rows(rows: Tensor, scale: Tensor, reduction: str) -> Tensor:
     return total * scale[0] if reduction == "mean" else total
 
 
-def _forward(
+def _losses(
     logits: Tensor,
     grad: Tensor | None,
     target: Tensor,
     divisor: Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float,
-    z_loss_scale: float,
-    reduction: str,
+    options: LossOptions,
 ) -> tuple[Tensor, Tensor]:
+    """(loss, z_loss) reduced; the scaled gradient into `grad` unless it is None."""
     n_rows = logits.shape[0]
-    scale = grad_scale(target, divisor, ignore_index, reduction)
+    scale = grad_scale(target, divisor, options)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    z_rows = torch.zeros_like(loss_rows) if z_loss_scale > 0.0 else None
-    launch_cross_entropy_forward(
-        logits,
-        grad,
-        target,
-        loss_rows,
-        z_rows,
-        None,
-        scale,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        softcap=softcap,
-        z_loss_scale=z_loss_scale,
-    )
+    z_rows = torch.zeros_like(loss_rows) if options.z_loss_scale > 0.0 else None
+    launch_cross_entropy_forward(logits, grad, target, loss_rows, z_rows, None, scale, options)
     if z_rows is None:
         z_rows = torch.zeros_like(loss_rows)
+    reduction = options.reduction
     return reduce_rows(loss_rows, scale, reduction), reduce_rows(z_rows, scale, reduction)
 
 
-def _loss_fake(logits: Tensor, reduction: str) -> Tensor:
-    shape = (logits.shape[0],) if reduction == "none" else ()
-    return logits.new_empty(shape, dtype=torch.float32)
+# --- op declarations (memplan.kernels._op) --------------------------------------------------
 
 
-@torch.library.custom_op("memplan::cross_entropy", mutates_args=())
-def _cross_entropy_op(
+def _forward(
     logits: Tensor,
     target: Tensor,
     divisor: Tensor | None,
@@ -537,85 +634,30 @@ def _cross_entropy_op(
     compute_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, z_loss, gradient of the unscaled loss w.r.t. logits; empty unless compute_grad)."""
+    options = LossOptions.from_op_args(
+        ignore_index, label_smoothing, softcap, z_loss_scale, reduction
+    )
     if compute_grad:
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     else:
         grad = logits.new_empty(0)
-    loss, z_loss = _forward(
-        logits,
-        grad if compute_grad else None,
-        target,
-        divisor,
-        ignore_index,
-        label_smoothing,
-        softcap,
-        z_loss_scale,
-        reduction,
-    )
+    loss, z_loss = _losses(logits, grad if compute_grad else None, target, divisor, options)
     return loss, z_loss, grad
 
 
-@_cross_entropy_op.register_fake
-def _(
-    logits,
-    target,
-    divisor,
-    ignore_index,
-    label_smoothing,
-    softcap,
-    z_loss_scale,
-    reduction,
-    compute_grad,
-):
+def _loss_fake(logits: Tensor, reduction: str) -> Tensor:
+    shape = (logits.shape[0],) if reduction == "none" else ()
+    return logits.new_empty(shape, dtype=torch.float32)
+
+
+def _forward_fake(logits, target, divisor, *options_and_compute_grad):
+    *_, reduction, compute_grad = options_and_compute_grad
     grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
     return _loss_fake(logits, reduction), _loss_fake(logits, reduction), grad
 
 
-@torch.library.custom_op("memplan::cross_entropy_", mutates_args=("logits",))
-def _cross_entropy_inplace_op(
-    logits: Tensor,
-    target: Tensor,
-    divisor: Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float,
-    z_loss_scale: float,
-    reduction: str,
-) -> tuple[Tensor, Tensor]:
-    """(loss, z_loss); the gradient overwrites logits."""
-    return _forward(
-        logits,
-        logits,
-        target,
-        divisor,
-        ignore_index,
-        label_smoothing,
-        softcap,
-        z_loss_scale,
-        reduction,
-    )
-
-
-@_cross_entropy_inplace_op.register_fake
-def _(logits, target, divisor, ignore_index, label_smoothing, softcap, z_loss_scale, reduction):
-    return _loss_fake(logits, reduction), _loss_fake(logits, reduction)
-
-
-@torch.library.custom_op("memplan::scale_", mutates_args=("x",))
-def scale_(x: Tensor, scale: Tensor) -> None:
-    """x *= scale in place; scale is a 0-d/1-element tensor or one value per row of x."""
-    launch_scale_rows_(x, scale.detach().to(torch.float32).contiguous().reshape(-1))
-
-
-@scale_.register_fake
-def _(x, scale):
-    return None
-
-
-# --- autograd -------------------------------------------------------------------------------
-
-
 def _setup_context(ctx, inputs, output):
+    """Saves the gradient computed in the forward, nothing else."""
     ctx.save_for_backward(output[2])
     ctx.mark_non_differentiable(output[1], output[2])
     # Otherwise autograd hands backward a (rows x vocab) tensor of zeros for the gradient output.
@@ -633,101 +675,63 @@ def _backward(ctx, grad_loss, grad_z_loss, grad_grad):
     return grad, None, None, None, None, None, None, None, None
 
 
-_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+def _forward_in_place(
+    logits: Tensor,
+    target: Tensor,
+    divisor: Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    z_loss_scale: float,
+    reduction: str,
+) -> tuple[Tensor, Tensor]:
+    """(loss, z_loss); the gradient overwrites logits."""
+    options = LossOptions.from_op_args(
+        ignore_index, label_smoothing, softcap, z_loss_scale, reduction
+    )
+    return _losses(logits, logits, target, divisor, options)
 
 
-class _CrossEntropyInPlace(torch.autograd.Function):
-    """Autograd over the mutating op: the gradient lives in the logits' storage, so the graph
-    keeps no new tensor (register_autograd only accepts functional ops)."""
+def _forward_in_place_fake(logits, target, divisor, *options):
+    return _loss_fake(logits, options[-1]), _loss_fake(logits, options[-1])
 
-    @staticmethod
-    def forward(ctx, logits, target, divisor, *options):
-        loss, z_loss = _cross_entropy_inplace_op(logits, target, divisor, *options)
-        ctx.save_for_backward(logits)
-        ctx.mark_non_differentiable(z_loss)
-        ctx.set_materialize_grads(False)
-        return loss, z_loss
 
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_loss, grad_z_loss):
-        (grad,) = ctx.saved_tensors
-        if grad_loss is None:
-            return (None,) * 8
-        scale_(grad, grad_loss)
-        return grad, None, None, None, None, None, None, None
+def _setup_context_in_place(ctx, inputs, output):
+    """Saves the logits, which hold the gradient now: the graph keeps no new tensor."""
+    ctx.save_for_backward(inputs[0])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+@first_order_only
+def _backward_in_place(ctx, grad_loss, grad_z_loss):
+    (grad,) = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 8
+    scale_(grad, grad_loss)
+    return grad, None, None, None, None, None, None, None
+
+
+# outputs (loss, z_loss, logits' gradient)
+CROSS_ENTROPY = Op(
+    "cross_entropy",
+    _forward,
+    fake=_forward_fake,
+    setup_context=_setup_context,
+    backward=_backward,
+)
+# outputs (loss, z_loss), the gradient written over the logits
+CROSS_ENTROPY_IN_PLACE = Op(
+    "cross_entropy_",
+    _forward_in_place,
+    fake=_forward_in_place_fake,
+    setup_context=_setup_context_in_place,
+    backward=_backward_in_place,
+    mutates_args=("logits",),
+)
 
 
 # --- API ------------------------------------------------------------------------------------
-
-
-# Caps from here on take tanh's series near 0: without it the capped logits are off by ~6e-8 x
-# cap (6e-5 at this cap; a cap of 1e6 gave gradients 0.6% off). The series costs 15-17% of the
-# softcapped forward (H200, 8192 x 256000 and 16384 x 32000), so common caps (Gemma 2's 30)
-# run without it.
-SERIES_TANH_FROM = 1e3
-
-
-def softcap_mode(softcap: float) -> int:
-    """The kernels' HAS_SOFTCAP: 0 no cap (softcap 0.0), 1 a cap, 2 a cap large enough for
-    tanh's series near 0."""
-    if softcap <= 0.0:
-        return 0
-    return 2 if softcap >= SERIES_TANH_FROM else 1
-
-
-def check_loss_options(
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float | None,
-    z_loss_scale: float,
-    reduction: str,
-    num_items_in_batch: int | Tensor | None,
-) -> tuple[int, float, float | None, float]:
-    """Raise UsageError for options no loss accepts (shared with the fused linear version);
-    return (ignore_index, label_smoothing, softcap, z_loss_scale) as Python int and floats
-    (numpy scalars are accepted, and reach the kernels as Python numbers)."""
-    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise UsageError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not is_real_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
-        raise UsageError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-    # A cap of inf would compute inf * tanh(x / inf) = inf * 0 = nan: no cap is None.
-    valid_cap = is_real_number(softcap) and SOFTCAP_MIN <= softcap <= SOFTCAP_MAX
-    if softcap is not None and not valid_cap:
-        raise UsageError(
-            f"softcap must be None (no cap) or a finite positive number in "
-            f"[{SOFTCAP_MIN:g}, {SOFTCAP_MAX:g}], got {softcap!r}"
-        )
-    if not is_real_number(z_loss_scale) or not 0.0 <= z_loss_scale < math.inf:
-        raise UsageError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
-    if num_items_in_batch is not None:
-        if reduction != "mean":
-            raise UsageError("num_items_in_batch applies to reduction='mean' only")
-        if not isinstance(num_items_in_batch, Tensor) and not (
-            is_real_number(num_items_in_batch) and 0.0 < num_items_in_batch < math.inf
-        ):
-            raise UsageError(
-                f"num_items_in_batch must be a finite positive number, got {num_items_in_batch!r}"
-            )
-        if isinstance(num_items_in_batch, Tensor) and (
-            num_items_in_batch.numel() != 1 or num_items_in_batch.dtype == torch.bool
-        ):
-            # (its value is not checked: that would cost a host sync per call)
-            raise UsageError(
-                "num_items_in_batch must be a number or a one-element numeric tensor, got a "
-                f"{num_items_in_batch.dtype} tensor of shape {tuple(num_items_in_batch.shape)}"
-            )
-    # bool is an int subclass: True would silently ignore class 1.
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise UsageError(f"ignore_index must be an integer, got {ignore_index!r}")
-    if not -(2**63) <= ignore_index < 2**63:
-        raise UsageError(f"ignore_index must fit in int64, got {ignore_index}")
-    return (
-        int(ignore_index),
-        float(label_smoothing),
-        None if softcap is None else float(softcap),
-        float(z_loss_scale),
-    )
 
 
 def check_target(op: str, target: Tensor) -> None:
@@ -735,15 +739,6 @@ def check_target(op: str, target: Tensor) -> None:
     would be cast to class 0/1 or truncated (torch's cross entropy refuses both)."""
     if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
         raise UsageError(f"{op} expects integer class targets, got {target.dtype}")
-
-
-def divisor_tensor(num_items_in_batch: int | Tensor | None, device: torch.device) -> Tensor | None:
-    """num_items_in_batch as a 0-d fp32 tensor on the device (a tensor stays on the device)."""
-    if num_items_in_batch is None:
-        return None
-    if isinstance(num_items_in_batch, Tensor):
-        return num_items_in_batch.detach().to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(num_items_in_batch), dtype=torch.float32, device=device)
 
 
 def cross_entropy(
@@ -758,17 +753,20 @@ def cross_entropy(
     num_items_in_batch: int | Tensor | None = None,
     inplace_grad: bool = False,
     return_z_loss: bool = False,
+    options: LossOptions | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross entropy of logits (N, V) against int targets (N,), fp32 loss.
 
+    The loss options (LossOptions) come as keywords, or as `options` (which then replaces them).
     The gradient is computed in the forward: into a new buffer of the logits' dtype, or, with
     inplace_grad=True, over the logits themselves (the caller promises not to read the logits
     again; autograd then saves nothing new; logits whose rows share elements, or a leaf that
     requires grad, get a new buffer instead). z-loss (z_loss_scale * lse^2 per token) is part of
     the loss; return_z_loss also returns it alone, detached, for logging."""
-    ignore_index, label_smoothing, softcap, z_loss_scale = check_loss_options(
-        ignore_index, label_smoothing, softcap, z_loss_scale, reduction, num_items_in_batch
-    )
+    if options is None:
+        options = LossOptions(
+            ignore_index, label_smoothing, softcap, z_loss_scale, reduction, num_items_in_batch
+        )
     if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
         raise UsageError(
             f"cross_entropy expects logits (N, V) and target (N,), got {tuple(logits.shape)} "
@@ -782,21 +780,21 @@ def cross_entropy(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     target = target.to(torch.int64).contiguous()
-    divisor = divisor_tensor(num_items_in_batch, logits.device)
-    options = (ignore_index, float(label_smoothing), float(softcap or 0.0), float(z_loss_scale))
+    inputs = (logits, target, options.divisor(logits.device), *options.op_args())
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     # Rows that share elements (an expanded (1, V) row, stride 0) cannot each hold their own
     # gradient: one row's gradient would overwrite logits another row still reads.
     rows_overlap = logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]
     if inplace_grad and need_grad and not rows_overlap and may_write_over(logits):
-        loss, z_loss = _CrossEntropyInPlace.apply(logits, target, divisor, *options, reduction)
+        loss, z_loss = CROSS_ENTROPY_IN_PLACE(*inputs)
     else:
-        loss, z_loss, _ = _cross_entropy_op(logits, target, divisor, *options, reduction, need_grad)
+        loss, z_loss, _ = CROSS_ENTROPY(*inputs, need_grad)
     return (loss, z_loss) if return_z_loss else loss
 
 
 class CrossEntropyLoss(nn.Module):
-    """nn.Module form of `cross_entropy`; forward(logits, target, num_items_in_batch=None)."""
+    """nn.Module form of `cross_entropy`; forward(logits, target, num_items_in_batch=None). The
+    options are checked when the module is made and kept in `.options`."""
 
     def __init__(
         self,
@@ -810,14 +808,7 @@ class CrossEntropyLoss(nn.Module):
         return_z_loss: bool = False,
     ) -> None:
         super().__init__()
-        ignore_index, label_smoothing, softcap, z_loss_scale = check_loss_options(
-            ignore_index, label_smoothing, softcap, z_loss_scale, reduction, None
-        )
-        self.ignore_index = ignore_index
-        self.label_smoothing = label_smoothing
-        self.softcap = softcap
-        self.z_loss_scale = z_loss_scale
-        self.reduction = reduction
+        self.options = LossOptions(ignore_index, label_smoothing, softcap, z_loss_scale, reduction)
         self.inplace_grad = inplace_grad
         self.return_z_loss = return_z_loss
 
@@ -827,15 +818,10 @@ class CrossEntropyLoss(nn.Module):
         return cross_entropy(
             logits,
             target,
-            ignore_index=self.ignore_index,
-            label_smoothing=self.label_smoothing,
-            softcap=self.softcap,
-            z_loss_scale=self.z_loss_scale,
-            reduction=self.reduction,
-            num_items_in_batch=num_items_in_batch,
+            options=self.options.with_items(num_items_in_batch),
             inplace_grad=self.inplace_grad,
             return_z_loss=self.return_z_loss,
         )
 
     def extra_repr(self) -> str:
-        return f"reduction={self.reduction!r}, inplace_grad={self.inplace_grad}"
+        return f"reduction={self.options.reduction!r}, inplace_grad={self.inplace_grad}"

@@ -9,10 +9,8 @@ row; a run cut by the chunk's start or end leaves its fp32 piece in a small buff
 chunk), and a second kernel adds the pieces of each such run in order and writes it. Rows of ids
 that do not occur stay zero, as does padding_idx's row (torch's rule).
 
-Measured on an H200 (benchmarks/probe_embedding.py): torch's dense backward took 0.70 and 1.29
-ms for 8 x 2048 random ids of width 2048 and 4096 into a 128256-row table. A first version with
-one program per run took 0.29 and 0.49 ms there, but 7.3-7.5 ms when one id filled the batch
-(one program summing 16384 rows); chunks bound every program's work."""
+Chunks bound every program's work: with one program per run of equal ids, a batch of one
+repeated id would be summed by a single program (docs/bench_kernels.md, embedding)."""
 
 from __future__ import annotations
 

@@ -25,8 +25,10 @@ forward's start), else with a synchronization at the call. 'none' computes only 
 the forward; its backward runs the chosen schedule with each row's gradient scaled by its
 grad_output."""
 
+from __future__ import annotations
+
 import dataclasses
-import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +40,11 @@ from memplan.estimators.kernel_contracts import (
     flce_default_chunk,
 )
 from memplan.estimators.kernel_contracts import flce_schedule as contract_schedule
+from memplan.kernels._op import Op
 from memplan.kernels._utils import check_floating, first_order_only
 from memplan.kernels.cross_entropy import (
-    check_loss_options,
+    LossOptions,
     check_target,
-    divisor_tensor,
     grad_scale,
     launch_cross_entropy_forward,
     launch_cross_entropy_grad_from_lse,
@@ -53,9 +55,9 @@ from memplan.kernels.cross_entropy import (
 
 # Smallest chunk for which the fp32-accumulator schedule beats the two-pass one: below it the
 # per-chunk read-modify-write of the fp32 dW (8 bytes x vocab x hidden) takes longer than the
-# extra GEMM (2 x rows x vocab x hidden FLOP) at ~200-250 bf16 FLOP per byte of HBM (H100/H200).
+# extra GEMM (2 x rows x vocab x hidden FLOP) at the ~200-250 bf16 FLOP per byte of HBM of an
+# H100 or H200 (their datasheet rates).
 MIN_ACCUMULATED_CHUNK = 1024
-SCHEDULES = ("one_pass", "one_pass_fp32_acc", "two_pass")
 
 
 def reference_fused_linear_cross_entropy(
@@ -140,74 +142,84 @@ def _mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
         torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
-@dataclasses.dataclass(frozen=True)
-class _HostTargets:
-    """Which rows of a target have one, and whether any lies outside the vocabulary, copied to
-    the host (pinned memory, non-blocking) behind `ready`."""
+def _targets_to_host(
+    target: Tensor, ignore_index: int, vocab: int
+) -> tuple[Tensor, torch.cuda.Event | None]:
+    """(flags, ready): whether each row of target has a target, then whether any target lies
+    outside the vocabulary ((rows + 1,) bool on the host), copied behind the event `ready` (CUDA:
+    pinned memory, non-blocking; None elsewhere)."""
+    valid = target != ignore_index
+    flags = torch.cat([valid, (valid & ((target < 0) | (target >= vocab))).any()[None]])
+    if not flags.is_cuda:
+        return flags.cpu(), None
+    host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(flags.device))
+    return host, ready
 
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefetchedTargets:
+    """What FLCE's chunk loop reads about one target tensor, copied to the host ahead of the
+    call by prefetch_targets. Invariant: it describes `target` only for the ignore_index and
+    vocabulary it was made for and while target is unmodified (its version counter); a call
+    given it for anything else copies again."""
+
+    target: Tensor
     ignore_index: int
     vocab: int
     version: int
-    has_target: Tensor  # (rows,) bool, on the host
-    out_of_range: Tensor  # () bool, on the host
+    flags: Tensor  # (rows + 1,) bool on the host, see _targets_to_host
     ready: torch.cuda.Event | None
 
-
-# id(target) -> (target, what prefetch_targets copied); an entry leaves with its tensor.
-_PREFETCHED: dict[int, tuple[weakref.ref[Tensor], _HostTargets]] = {}
-
-
-def _targets_to_host(target: Tensor, ignore_index: int, vocab: int) -> _HostTargets:
-    valid = target != ignore_index
-    flags = torch.cat([valid, (valid & ((target < 0) | (target >= vocab))).any()[None]])
-    ready = None
-    if flags.is_cuda:
-        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(flags.device))
-    else:
-        host = flags.cpu()
-    return _HostTargets(ignore_index, vocab, target._version, host[:-1], host[-1], ready)
+    def flags_for(self, target: Tensor, ignore_index: int, vocab: int) -> Tensor | None:
+        """The host flags, once copied, where they describe this call's target; else None."""
+        if target is not self.target or (self.ignore_index, self.vocab, self.version) != (
+            ignore_index,
+            vocab,
+            target._version,
+        ):
+            return None
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.flags
 
 
-def prefetch_targets(target: Tensor, ignore_index: int, vocab: int) -> None:
+def prefetch_targets(target: Tensor, ignore_index: int, vocab: int) -> PrefetchedTargets | None:
     """Start copying what FLCE's chunk loop needs to know about `target` (N,) to the host, ahead
-    of the call. FLCE reads, per chunk, whether any row has a target (chunks without one skip
-    their GEMMs) and checks the targets' range; asked for at the call, that is a host
-    synchronization after the whole forward, and the GPU idles while the host launches the first
-    chunk (0.2 ms per llama-3.2-1b step on an H200, benchmarks/probe_gaps.py). Issued at the start
-    of the forward, the copy is long done when FLCE waits for it. Any later FLCE call on this
-    tensor, unmodified, with the same ignore_index and vocabulary, uses it. A no-op while
-    torch.compile traces (the compiled op synchronizes at the call, as before)."""
+    of the call, and return the handle to pass as fused_linear_cross_entropy(prefetched=...).
+    FLCE reads, per chunk, whether any row has a target (chunks without one skip their GEMMs)
+    and checks the targets' range; asked for at the call, that is a host synchronization after
+    the whole forward, and the GPU idles while the host launches the first chunk. Issued at the
+    start of the forward, the copy is long done when FLCE waits for it. None while torch.compile
+    traces (the compiled op synchronizes at the call) and for targets FLCE would copy anyway
+    (not 1-d contiguous int64)."""
     if torch.compiler.is_compiling():
-        return
-    if target.dim() == 1 and target.dtype == torch.int64 and target.is_contiguous():
-        key = id(target)
-        ref = weakref.ref(target, lambda _: _PREFETCHED.pop(key, None))
-        _PREFETCHED[key] = (ref, _targets_to_host(target, ignore_index, vocab))
+        return None
+    if target.dim() != 1 or target.dtype != torch.int64 or not target.is_contiguous():
+        return None
+    flags, ready = _targets_to_host(target, ignore_index, vocab)
+    return PrefetchedTargets(target, ignore_index, vocab, target._version, flags, ready)
 
 
-def _chunks_with_targets(target: Tensor, ignore_index: int, chunk: int, vocab: int) -> list[bool]:
-    """Whether each chunk of rows has at least one target, from prefetch_targets' copy where it
-    still describes `target`, else copied now. A target outside the vocabulary is an error (as
-    in torch's cross entropy), read from the same copy."""
-    ref, host = _PREFETCHED.get(id(target), (None, None))
-    if (
-        host is None
-        or ref() is not target
-        or (host.ignore_index, host.vocab, host.version) != (ignore_index, vocab, target._version)
-    ):
-        host = _targets_to_host(target, ignore_index, vocab)
-    if host.ready is not None:
-        host.ready.synchronize()
-    if host.out_of_range.item():
+def _chunks_with_targets(
+    target: Tensor, host_flags: Tensor | None, ignore_index: int, chunk: int, vocab: int
+) -> list[bool]:
+    """Whether each chunk of rows has at least one target, from host_flags (prefetched) or
+    copied now. A target outside the vocabulary is an error (as in torch's cross entropy), read
+    from the same copy."""
+    if host_flags is None:
+        host_flags, ready = _targets_to_host(target, ignore_index, vocab)
+        if ready is not None:
+            ready.synchronize()
+    if host_flags[-1].item():
         raise UsageError(
             f"a target is outside the vocabulary [0, {vocab}) and is not ignore_index "
             f"({ignore_index})"
         )
     n_chunks = -(-target.shape[0] // chunk)
-    has_target = F.pad(host.has_target, (0, n_chunks * chunk - target.shape[0]))
+    has_target = F.pad(host_flags[:-1], (0, n_chunks * chunk - target.shape[0]))
     return has_target.view(n_chunks, chunk).any(dim=1).tolist()
 
 
@@ -218,11 +230,8 @@ def _flce(
     bias: Tensor | None,
     row_scale: Tensor | None,
     divisor: Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float,
-    z_loss_scale: float,
-    reduction: str,
+    host_flags: Tensor | None,
+    options: LossOptions,
     chunk: int,
     schedule: str,
     compute_dx: bool,
@@ -231,7 +240,8 @@ def _flce(
     keep_rows: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, z-loss, grad scale, dX, dW, db), unused gradients empty. The losses are per row
-    when keep_rows, else sums over rows: the per-row buffers then only span one chunk."""
+    when keep_rows, else sums over rows: the per-row buffers then only span one chunk.
+    host_flags: the target's flags prefetched to the host (PrefetchedTargets), or None."""
     n_rows, n_hidden = hidden.shape
     vocab = weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
@@ -239,14 +249,9 @@ def _flce(
     want_grads = compute_dx or compute_dw or compute_db
     if not compute_dw:
         schedule = "one_pass"
-    ce = dict(
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        softcap=softcap,
-        z_loss_scale=z_loss_scale,
-        row_scale=row_scale is not None,
-    )
-    scale = grad_scale(target, divisor, ignore_index, reduction)
+    ignore_index, z_loss_scale = options.ignore_index, options.z_loss_scale
+    rows_scaled = row_scale is not None
+    scale = grad_scale(target, divisor, options)
 
     def scale_of(r0: int, r1: int) -> Tensor:
         return row_scale[r0:r1] if row_scale is not None else scale
@@ -277,7 +282,7 @@ def _flce(
             return loss_rows, z_rows, scale, dx, dw, db
         return loss_sum, z_sum, scale, dx, dw, db
 
-    has_targets = _chunks_with_targets(target, ignore_index, chunk, vocab)
+    has_targets = _chunks_with_targets(target, host_flags, ignore_index, chunk, vocab)
     buffer_elems = chunk * vocab if schedule != "two_pass" else max(chunk * vocab, n_rows)
     buffer = torch.empty(buffer_elems, dtype=dtype, device=device)
     acc = None
@@ -308,7 +313,8 @@ def _flce(
             z_rows[q0:q1] if z_loss_scale > 0.0 else None,
             lse_rows[r0:r1] if lse_rows is not None else None,
             scale_of(r0, r1),
-            **ce,
+            options,
+            row_scale=rows_scaled,
         )
         if not keep_rows:
             loss_sum += loss_rows[q0:q1].sum()
@@ -326,8 +332,9 @@ def _flce(
 
     if compute_dw and schedule == "two_pass":
         _dw_by_vocab_slices(
-            hidden, weight, bias, target, lse_rows, buffer, has_targets, chunk, dw, scale_of, ce
-        )
+            hidden, weight, bias, target, lse_rows, buffer, has_targets, chunk, dw, scale_of,
+            options, rows_scaled,
+        )  # fmt: skip
     elif acc is not None:
         del buffer, logits  # the chunk's logits: dW takes their place, not their sum with acc
         dw = acc.to(dtype) if dw_started else torch.zeros(weight.shape, dtype=dtype, device=device)
@@ -351,8 +358,9 @@ def _dw_by_vocab_slices(
     has_targets: list[bool],
     chunk: int,
     dw: Tensor,
-    scale_of,
-    ce: dict,
+    scale_of: Callable[[int, int], Tensor],
+    options: LossOptions,
+    rows_scaled: bool,
 ) -> None:
     """Pass 2 of the two-pass schedule: dW[slice] = dlogits[:, slice]^T @ x over all rows with
     targets, one GEMM per vocabulary slice."""
@@ -376,24 +384,25 @@ def _dw_by_vocab_slices(
             target[r0:r1],
             lse_rows[r0:r1],
             scale_of(r0, r1),
+            options,
             vocab_start=v0,
             vocab_size=vocab,
-            **ce,
+            row_scale=rows_scaled,
         )
         torch.mm(logits.t(), x, out=dw[v0:v1])
 
 
-# --- custom op ------------------------------------------------------------------------------
+# --- op declaration (memplan.kernels._op) ---------------------------------------------------
 
 
-@torch.library.custom_op("memplan::fused_linear_cross_entropy", mutates_args=())
-def _flce_op(
+def _forward(
     hidden: Tensor,
     weight: Tensor,
     target: Tensor,
     bias: Tensor | None,
     row_scale: Tensor | None,
     divisor: Tensor | None,
+    host_flags: Tensor | None,
     ignore_index: int,
     label_smoothing: float,
     softcap: float,
@@ -409,26 +418,14 @@ def _flce_op(
     """(loss, z_loss, per-token loss, dX, dW, db); the per-token loss is empty unless asked for
     (and for 'none', whose loss is per token), a gradient not asked for is empty. row_scale
     (the backward of 'none') scales each row's gradient."""
+    options = LossOptions.from_op_args(
+        ignore_index, label_smoothing, softcap, z_loss_scale, reduction
+    )
     keep_rows = per_token_loss or reduction == "none"
     losses, z_losses, scale, dx, dw, db = _flce(
-        hidden,
-        weight,
-        target,
-        bias,
-        row_scale,
-        divisor,
-        ignore_index,
-        label_smoothing,
-        softcap,
-        z_loss_scale,
-        reduction,
-        chunk,
-        schedule,
-        compute_dx,
-        compute_dw,
-        compute_db,
-        keep_rows,
-    )
+        hidden, weight, target, bias, row_scale, divisor, host_flags, options, chunk, schedule,
+        compute_dx, compute_dw, compute_db, keep_rows,
+    )  # fmt: skip
     if reduction == "none":
         return losses, z_losses, losses.new_empty(0), dx, dw, db
     if keep_rows:
@@ -442,26 +439,8 @@ def _flce_op(
     return losses, z_losses, losses.new_empty(0), dx, dw, db
 
 
-@_flce_op.register_fake
-def _(
-    hidden,
-    weight,
-    target,
-    bias,
-    row_scale,
-    divisor,
-    ignore_index,
-    label_smoothing,
-    softcap,
-    z_loss_scale,
-    reduction,
-    chunk,
-    schedule,
-    compute_dx,
-    compute_dw,
-    compute_db,
-    per_token_loss,
-):
+def _forward_fake(hidden, weight, target, bias, row_scale, divisor, host_flags, *rest):
+    reduction, _chunk, _schedule, compute_dx, compute_dw, compute_db, per_token_loss = rest[4:]
     n_rows = hidden.shape[0]
     per_row = reduction == "none"
     loss = hidden.new_empty((n_rows,) if per_row else (), dtype=torch.float32)
@@ -475,22 +454,28 @@ def _(
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, _row_scale, divisor, *options = inputs
+    """'mean' and 'sum' save dX, dW and db, computed in the forward; 'none' saves the inputs
+    and runs the chunked loop again in backward, each row scaled by its grad_output."""
+    hidden, weight, target, bias, _row_scale, divisor, host_flags, *options = inputs
     ctx.reduction = options[4]
     ctx.mark_non_differentiable(*output[1:])
     # Otherwise autograd hands backward zero tensors the size of dX and dW for those outputs.
     ctx.set_materialize_grads(False)
     if ctx.reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias, divisor)
+        ctx.host_flags = host_flags
         ctx.options = options
     else:
         ctx.save_for_backward(*output[3:])
 
 
+N_INPUTS = 18
+
+
 @first_order_only
 def _backward(ctx, grad_loss, *unused):
     if grad_loss is None:
-        return (None,) * 17
+        return (None,) * N_INPUTS
     need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
     if ctx.reduction == "none":
         hidden, weight, target, bias, divisor = ctx.saved_tensors
@@ -498,7 +483,8 @@ def _backward(ctx, grad_loss, *unused):
         # 'sum' with a per-row scale: each row's gradient times its grad_output, no rows kept.
         options = ctx.options[:4] + ["sum"] + ctx.options[5:7]
         options += [need_dx, need_dw, need_db, False]
-        _, _, _, dx, dw, db = _flce_op(hidden, weight, target, bias, row_scale, divisor, *options)
+        inputs = (hidden, weight, target, bias, row_scale, divisor, ctx.host_flags, *options)
+        _, _, _, dx, dw, db = FUSED_LINEAR_CROSS_ENTROPY.forward(*inputs)
     else:
         dx, dw, db = ctx.saved_tensors
         # Scaled where they lie (skipped on device when grad_output is 1): no second copy.
@@ -506,10 +492,17 @@ def _backward(ctx, grad_loss, *unused):
             if grad.numel():
                 scale_(grad, grad_loss)
     grads = (dx if need_dx else None, dw if need_dw else None, None, db if need_db else None)
-    return grads + (None,) * 13
+    return grads + (None,) * (N_INPUTS - 4)
 
 
-_flce_op.register_autograd(_backward, setup_context=_setup_context)
+# outputs (loss, z_loss, per-token loss, dX, dW, db)
+FUSED_LINEAR_CROSS_ENTROPY = Op(
+    "fused_linear_cross_entropy",
+    _forward,
+    fake=_forward_fake,
+    setup_context=_setup_context,
+    backward=_backward,
+)
 
 
 # --- API ------------------------------------------------------------------------------------
@@ -535,18 +528,23 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     return_per_token_loss: bool = False,
+    prefetched: PrefetchedTargets | None = None,
+    options: LossOptions | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross entropy of hidden (N, H) @ weight (V, H)^T (+ bias (V,)) against target (N,), fp32
-    loss, same options as memplan.kernels.cross_entropy.cross_entropy.
+    loss, same options (LossOptions, as keywords or as `options`) as
+    memplan.kernels.cross_entropy.cross_entropy.
 
     Rows per chunk: chunk_size, or the largest that fits memory_budget bytes of transient memory
     (kernel_contracts.flce_chunk_for_budget; this also allows the faster fp32-accumulator
     schedule), or by default 2^ceil(log2(N / ceil(V / H))). return_per_token_loss also returns
     the fp32 loss per token (detached for 'mean' and 'sum'). Under autocast the inputs are cast
-    to the autocast dtype, as nn.Linear would."""
-    ignore_index, label_smoothing, softcap, z_loss_scale = check_loss_options(
-        ignore_index, label_smoothing, softcap, z_loss_scale, reduction, num_items_in_batch
-    )
+    to the autocast dtype, as nn.Linear would. `prefetched`: prefetch_targets' handle for
+    this target, read where it still describes it."""
+    if options is None:
+        options = LossOptions(
+            ignore_index, label_smoothing, softcap, z_loss_scale, reduction, num_items_in_batch
+        )
     _check_int("chunk_size", chunk_size)
     _check_int("memory_budget", memory_budget)
     if chunk_size is not None and memory_budget is not None:
@@ -593,7 +591,7 @@ def fused_linear_cross_entropy(
     need_db = grad_on and bias is not None and bias.requires_grad
     n_rows, n_hidden = hidden.shape
     vocab, dtype_bytes = weight.shape[0], weight.element_size()
-    per_row = reduction == "none"
+    per_row = options.reduction == "none"
     per_token_loss = return_per_token_loss or per_row
     if memory_budget is not None:
         chunk = flce_chunk_for_budget(
@@ -621,18 +619,18 @@ def fused_linear_cross_entropy(
         has_bias=need_db,
         per_token_loss=per_token_loss,
     )
-    loss, _, per_token, *_ = _flce_op(
+    host_flags = None
+    if prefetched is not None:
+        host_flags = prefetched.flags_for(target, options.ignore_index, vocab)
+    loss, _, per_token, *_ = FUSED_LINEAR_CROSS_ENTROPY(
         hidden,
         weight,
         target,
         bias,
         None,
-        divisor_tensor(num_items_in_batch, hidden.device),
-        ignore_index,
-        float(label_smoothing),
-        float(softcap or 0.0),
-        float(z_loss_scale),
-        reduction,
+        options.divisor(hidden.device),
+        host_flags,
+        *options.op_args(),
         chunk,
         schedule,
         need_dx and not per_row,
@@ -647,7 +645,8 @@ def fused_linear_cross_entropy(
 
 class FusedLinearCrossEntropyLoss(nn.Module):
     """nn.Module form of `fused_linear_cross_entropy`;
-    forward(hidden, weight, target, bias=None, num_items_in_batch=None)."""
+    forward(hidden, weight, target, bias=None, num_items_in_batch=None). The loss options are
+    checked when the module is made and kept in `.options`."""
 
     def __init__(
         self,
@@ -662,14 +661,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return_per_token_loss: bool = False,
     ) -> None:
         super().__init__()
-        ignore_index, label_smoothing, softcap, z_loss_scale = check_loss_options(
-            ignore_index, label_smoothing, softcap, z_loss_scale, reduction, None
-        )
-        self.ignore_index = ignore_index
-        self.label_smoothing = label_smoothing
-        self.softcap = softcap
-        self.z_loss_scale = z_loss_scale
-        self.reduction = reduction
+        self.options = LossOptions(ignore_index, label_smoothing, softcap, z_loss_scale, reduction)
         self.chunk_size = chunk_size
         self.memory_budget = memory_budget
         self.return_per_token_loss = return_per_token_loss
@@ -687,12 +679,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             weight,
             target,
             bias,
-            ignore_index=self.ignore_index,
-            label_smoothing=self.label_smoothing,
-            softcap=self.softcap,
-            z_loss_scale=self.z_loss_scale,
-            reduction=self.reduction,
-            num_items_in_batch=num_items_in_batch,
+            options=self.options.with_items(num_items_in_batch),
             chunk_size=self.chunk_size,
             memory_budget=self.memory_budget,
             return_per_token_loss=self.return_per_token_loss,
@@ -700,6 +687,6 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"reduction={self.reduction!r}, chunk_size={self.chunk_size}, "
+            f"reduction={self.options.reduction!r}, chunk_size={self.chunk_size}, "
             f"memory_budget={self.memory_budget}"
         )

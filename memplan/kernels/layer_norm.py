@@ -20,7 +20,13 @@ import triton.language as tl
 
 from memplan.errors import UsageError
 from memplan.kernels._launch import fast_launch
-from memplan.kernels._partials import new_partials, partial_layout, store_partial, sum_partials
+from memplan.kernels._norm_weight_grad import (
+    new_partials,
+    partial_layout,
+    store_partial,
+    sum_partials,
+)
+from memplan.kernels._op import Op, launcher
 from memplan.kernels._utils import (
     as_rows,
     cdiv,
@@ -31,7 +37,6 @@ from memplan.kernels._utils import (
     norm_backward_config,
     norm_forward_config,
     on_device,
-    use_custom_op,
 )
 
 
@@ -258,43 +263,27 @@ def layer_norm_backward(
     return dx, sum_partials(partials, sums_dtype)
 
 
-# --- custom ops and autograd ----------------------------------------------------------------
+# --- op declarations (memplan.kernels._op) --------------------------------------------------
 
 
-@torch.library.custom_op("memplan::layer_norm", mutates_args=())
-def _layer_norm_op(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer_norm_forward(x, weight, bias, eps)
-
-
-@_layer_norm_op.register_fake
-def _(x, weight, bias, eps):
+def _forward_fake(x, weight, bias, eps):
     stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
     return x.new_empty(x.shape), stats, stats.new_empty(stats.shape)
 
 
-@torch.library.custom_op("memplan::layer_norm_backward", mutates_args=())
-def _layer_norm_backward_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    compute_dw: bool,
-    compute_db: bool,
-    sums_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer_norm_backward(dy, x, weight, mean, rstd, compute_dw, compute_db, sums_dtype)
-
-
-@_layer_norm_backward_op.register_fake
-def _(dy, x, weight, mean, rstd, compute_dw, compute_db, sums_dtype):
+def _backward_fake(dy, x, weight, mean, rstd, compute_dw, compute_db, sums_dtype):
     sums = x.new_empty((int(compute_dw) + int(compute_db), x.shape[-1]), dtype=sums_dtype)
     return x.new_empty(x.shape), sums
 
 
-def _save(ctx, x, weight, bias, mean, rstd) -> None:
+_backward_launch = launcher("layer_norm_backward", fake=_backward_fake)(layer_norm_backward)
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves x, the weight and the per-row mean and rstd."""
+    x, weight, bias, _eps = inputs
+    _y, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.has_bias = bias is not None
     # dW and dB come back in the weight's dtype; dB without a weight in the bias's
@@ -303,39 +292,22 @@ def _save(ctx, x, weight, bias, mean, rstd) -> None:
 
 @first_order_only
 def _backward(ctx, dy, *_unused):
-    """Gradients of (x, weight, bias, eps); shared by the custom op's autograd (torch.compile,
-    fake and meta tensors) and the eager autograd.Function."""
+    """Gradients of (x, weight, bias, eps)."""
     x, weight, mean, rstd = ctx.saved_tensors
     compute_dw = weight is not None and ctx.needs_input_grad[1]
     compute_db = ctx.has_bias and ctx.needs_input_grad[2]
-    args = (dy, x, weight, mean, rstd, compute_dw, compute_db, ctx.sums_dtype)
-    if use_custom_op(dy):
-        dx, sums = torch.ops.memplan.layer_norm_backward(*args)
-    else:
-        dx, sums = layer_norm_backward(*args)
+    dx, sums = _backward_launch(dy, x, weight, mean, rstd, compute_dw, compute_db, ctx.sums_dtype)
     return dx, sums[0] if compute_dw else None, sums[-1] if compute_db else None, None
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, _eps = inputs
-    _y, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    _save(ctx, x, weight, bias, mean, rstd)
-
-
-_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _LayerNormFunction(torch.autograd.Function):
-    """The eager path (see memplan.kernels._utils.use_custom_op)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = layer_norm_forward(x, weight, bias, eps)
-        _save(ctx, x, weight, bias, mean, rstd)
-        return y
-
-    backward = staticmethod(_backward)
+# outputs (y, mean, rstd)
+LAYER_NORM = Op(
+    "layer_norm",
+    layer_norm_forward,
+    fake=_forward_fake,
+    setup_context=_setup_context,
+    backward=_backward,
+)
 
 
 # --- public API -----------------------------------------------------------------------------
@@ -361,9 +333,7 @@ def layer_norm(
     # through the copies.
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
-    if use_custom_op(x):
-        return torch.ops.memplan.layer_norm(x, weight, bias, float(eps))[0]
-    return _LayerNormFunction.apply(x, weight, bias, float(eps))
+    return LAYER_NORM(x, weight, bias, float(eps))[0]
 
 
 class LayerNorm(torch.nn.Module):

@@ -21,7 +21,13 @@ import triton.language as tl
 
 from memplan.errors import UsageError
 from memplan.kernels._launch import fast_launch
-from memplan.kernels._partials import new_partials, partial_layout, store_partial, sum_partials
+from memplan.kernels._norm_weight_grad import (
+    new_partials,
+    partial_layout,
+    store_partial,
+    sum_partials,
+)
+from memplan.kernels._op import Op, launcher, use_custom_op
 from memplan.kernels._utils import (
     as_rows,
     cdiv,
@@ -32,7 +38,6 @@ from memplan.kernels._utils import (
     norm_backward_config,
     norm_forward_config,
     on_device,
-    use_custom_op,
 )
 
 CASTING_MODES = ("llama", "gemma")
@@ -339,11 +344,10 @@ def rms_norm_backward(
     return dx, dw
 
 
-# --- custom ops and autograd ----------------------------------------------------------------
+# --- op declarations (memplan.kernels._op) --------------------------------------------------
 
 
-@torch.library.custom_op("memplan::rms_norm", mutates_args=())
-def _rms_norm_op(
+def _forward(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
@@ -351,82 +355,86 @@ def _rms_norm_op(
     gemma: bool,
     in_place_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd); in_place_backward is for backward (see _norm_grads)."""
     return rms_norm_forward(x, weight, eps, offset, gemma)
 
 
-@_rms_norm_op.register_fake
-def _(x, weight, eps, offset, gemma, in_place_backward):
+def _forward_fake(x, weight, eps, offset, gemma, in_place_backward):
     y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, gemma))
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("memplan::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(
+def _add_forward(
     residual: torch.Tensor,
-    branch: torch.Tensor,
+    branch: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     offset: float,
     gemma: bool,
     in_place_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, y, rstd). Without a branch h is residual itself, a view handed back so that its
+    gradient joins the norm's in the same pass: eager path only (a custom op's output cannot
+    alias its input; add_rms_norm sends that case to the plain norm while tracing)."""
+    if branch is None:
+        y, rstd = rms_norm_forward(residual, weight, eps, offset, gemma)
+        return residual.view_as(residual), y, rstd
     return add_rms_norm_forward(residual, branch, weight, eps, offset, gemma)
 
 
-@_add_rms_norm_op.register_fake
-def _(residual, branch, weight, eps, offset, gemma, in_place_backward):
-    y = residual.new_empty(residual.shape, dtype=_output_dtype(residual, weight, gemma))
-    rstd = residual.new_empty(residual.shape[:-1], dtype=torch.float32)
+def _add_forward_fake(residual, branch, weight, eps, offset, gemma, in_place_backward):
+    y, rstd = _forward_fake(residual, weight, eps, offset, gemma, in_place_backward)
     return residual.new_empty(residual.shape), y, rstd
 
 
-@torch.library.custom_op("memplan::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    rstd: torch.Tensor,
-    offset: float,
-    gemma: bool,
-    compute_dw: bool,
-    residual_grad: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = rms_norm_backward(
-        dy, x, weight, rstd, offset, gemma, compute_dw, residual_grad=residual_grad
-    )
-    return dx, dw if dw is not None else weight.new_empty(0)
-
-
-@_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, offset, gemma, compute_dw, residual_grad=None):
+def _backward_fake(dy, extra_dys, x, weight, rstd, offset, gemma, compute_dw, residual_grad):
     return x.new_empty(x.shape), weight.new_empty(weight.shape if compute_dw else (0,))
 
 
-@torch.library.custom_op("memplan::rms_norm_backward_", mutates_args=("dy",))
-def _rms_norm_backward_inplace_op(
+@launcher("rms_norm_backward", fake=_backward_fake)
+def _backward_launch(
     dy: torch.Tensor,
+    extra_dys: list[torch.Tensor],
     x: torch.Tensor,
     weight: torch.Tensor,
     rstd: torch.Tensor,
     offset: float,
     gemma: bool,
     compute_dw: bool,
-    residual_grad: torch.Tensor | None = None,
-) -> torch.Tensor:
-    _, dw = rms_norm_backward(
-        dy, x, weight, rstd, offset, gemma, compute_dw, dx=dy, residual_grad=residual_grad
-    )
-    return dw if dw is not None else weight.new_empty(0)
+    residual_grad: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw); dw empty unless compute_dw."""
+    dx, dw = rms_norm_backward(
+        dy, x, weight, rstd, offset, gemma, compute_dw, extra_dys=tuple(extra_dys),
+        residual_grad=residual_grad,
+    )  # fmt: skip
+    return dx, dw if dw is not None else weight.new_empty(0)
 
 
-@_rms_norm_backward_inplace_op.register_fake
-def _(dy, x, weight, rstd, offset, gemma, compute_dw, residual_grad=None):
+def _backward_in_place_fake(
+    dy, extra_dys, x, weight, rstd, offset, gemma, compute_dw, residual_grad
+):
     return weight.new_empty(weight.shape if compute_dw else (0,))
 
 
-def _save(ctx, x, weight, rstd, offset, gemma, in_place_backward) -> None:
-    ctx.save_for_backward(x, weight, rstd)
-    ctx.offset, ctx.gemma, ctx.in_place_backward = offset, gemma, in_place_backward
+@launcher("rms_norm_backward_", fake=_backward_in_place_fake, mutates_args=("dy",))
+def _backward_in_place_launch(
+    dy: torch.Tensor,
+    extra_dys: list[torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    gemma: bool,
+    compute_dw: bool,
+    residual_grad: torch.Tensor | None,
+) -> torch.Tensor:
+    """dw (empty unless compute_dw); dx is written over dy."""
+    _, dw = rms_norm_backward(
+        dy, x, weight, rstd, offset, gemma, compute_dw, dx=dy, extra_dys=tuple(extra_dys),
+        residual_grad=residual_grad,
+    )  # fmt: skip
+    return dw if dw is not None else weight.new_empty(0)
 
 
 def _norm_grads(
@@ -440,119 +448,70 @@ def _norm_grads(
     if not dys:
         dw = torch.zeros_like(weight) if compute_dw else None
         return (residual_grad if needs_dx else None), dw
-    dy, extra = dys[0], dys[1:]
+    dy, extra = dys[0], list(dys[1:])
+    args = (extra, x, weight, rstd, ctx.offset, ctx.gemma, compute_dw, residual_grad)
     # dx over dy: only where the caller allowed it (dy must be read by nothing else, e.g. not
     # shared with a residual branch) and dx is wanted at all.
-    in_place = ctx.in_place_backward and needs_dx and dy.dtype == x.dtype and dy.is_contiguous()
-    args = (x, weight, rstd, ctx.offset, ctx.gemma, compute_dw)
-    if not use_custom_op(dy):
-        dx, dw = rms_norm_backward(
-            dy,
-            *args,
-            dx=dy if in_place else None,
-            extra_dys=extra,
-            residual_grad=residual_grad,
-        )
+    if ctx.in_place_backward and needs_dx and dy.dtype == x.dtype and dy.is_contiguous():
+        dx, dw = dy, _backward_in_place_launch(dy, *args)
     else:
-        # Traced (torch.compile): one output gradient, as the custom op hands out one output.
-        for g in extra:
-            dy = dy + g
-        if in_place:
-            dx, dw = dy, torch.ops.memplan.rms_norm_backward_(dy, *args, residual_grad)
-        else:
-            dx, dw = torch.ops.memplan.rms_norm_backward(dy, *args, residual_grad)
+        dx, dw = _backward_launch(dy, *args)
     return dx, dw if compute_dw else None
-
-
-@first_order_only
-def _backward(ctx, dy, *_unused):
-    """Gradients of (x, weight, eps, offset, gemma, in_place_backward); shared by the custom
-    op's autograd (torch.compile, fake and meta tensors: backward through the custom ops) and
-    the eager autograd.Function (the launchers directly)."""
-    dx, dw = _norm_grads(ctx, (dy,), None, ctx.needs_input_grad[0])
-    return dx, dw, None, None, None, None
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, _eps, offset, gemma, in_place_backward = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.weight_index = 1
-    _save(ctx, x, weight, output[1], offset, gemma, in_place_backward)
-
-
-_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+    _save(ctx, x, weight, output[1], offset, gemma, in_place_backward, weight_index=1)
 
 
 @first_order_only
-def _add_backward(ctx, dh, dy, *_unused):
-    """Gradients of (residual, branch, weight, eps, offset, gemma, in_place_backward)."""
-    return _add_grads(ctx, (dy,), dh) + (None,) * 4
-
-
-def _add_grads(ctx, dys, dh) -> tuple[torch.Tensor | None, ...]:
-    """(d residual, d branch, d weight) of residual + branch then the norm: both summands get the
-    sum's gradient."""
-    needs_residual, needs_branch = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = _norm_grads(ctx, dys, dh, needs_residual or needs_branch)
-    return dx if needs_residual else None, dx if needs_branch else None, dw
+def _backward(ctx, dy, _d_rstd, *extra_dys):
+    """Gradients of (x, weight, eps, offset, gemma, in_place_backward)."""
+    dx, dw = _norm_grads(ctx, (dy, *extra_dys), None, ctx.needs_input_grad[0])
+    return dx, dw, None, None, None, None
 
 
 def _add_setup_context(ctx, inputs, output):
     _residual, _branch, weight, _eps, offset, gemma, in_place_backward = inputs
-    ctx.mark_non_differentiable(output[2])
-    ctx.set_materialize_grads(False)
-    ctx.weight_index = 2
-    _save(ctx, output[0], weight, output[2], offset, gemma, in_place_backward)
+    _save(ctx, output[0], weight, output[2], offset, gemma, in_place_backward, weight_index=2)
 
 
-_add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup_context)
+@first_order_only
+def _add_backward(ctx, dh, dy, _d_rstd, *extra_dys):
+    """Gradients of (residual, branch, weight, eps, offset, gemma, in_place_backward): both
+    summands get the sum's gradient, h's own plus the norm's."""
+    needs_residual, needs_branch = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = _norm_grads(ctx, (dy, *extra_dys), dh, needs_residual or needs_branch)
+    return dx if needs_residual else None, dx if needs_branch else None, dw, None, None, None, None
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """The eager path (see memplan.kernels._utils.use_custom_op). With consumers > 1 the output
-    is handed out that many times, as views of one tensor: each consumer's gradient then comes
-    back on its own and the backward kernel sums them in fp32, in the same pass, instead of
-    autograd adding them pairwise first (two reads and a write per extra consumer)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, gemma, in_place_backward, consumers):
-        y, rstd = rms_norm_forward(x, weight, eps, offset, gemma)
-        ctx.set_materialize_grads(False)
-        ctx.weight_index = 1
-        _save(ctx, x, weight, rstd, offset, gemma, in_place_backward)
-        return y if consumers == 1 else _hand_out(y, consumers)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, *dys):
-        dx, dw = _norm_grads(ctx, dys, None, ctx.needs_input_grad[0])
-        return dx, dw, None, None, None, None, None
+def _save(ctx, x, weight, rstd, offset, gemma, in_place_backward, *, weight_index) -> None:
+    """Saves the norm's input, weight and rstd: nothing else is kept for backward."""
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)  # consumers that gave no gradient come back as None
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.offset, ctx.gemma, ctx.in_place_backward = offset, gemma, in_place_backward
+    ctx.weight_index = weight_index
 
 
-class _AddRMSNormFunction(torch.autograd.Function):
-    """residual + branch, then RMSNorm, in one pass each way (eager path); outputs (h, y, ...)
-    with y handed out `consumers` times as in _RMSNormFunction."""
-
-    @staticmethod
-    def forward(ctx, residual, branch, weight, eps, offset, gemma, in_place_backward, consumers):
-        if branch is None:  # h is the residual itself, handed back so that its gradient comes here
-            y, rstd = rms_norm_forward(residual, weight, eps, offset, gemma)
-            h = residual.view_as(residual)
-        else:
-            h, y, rstd = add_rms_norm_forward(residual, branch, weight, eps, offset, gemma)
-        ctx.set_materialize_grads(False)
-        ctx.weight_index = 2
-        _save(ctx, h, weight, rstd, offset, gemma, in_place_backward)
-        return (h, *_hand_out(y, consumers))
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dh, *dys):
-        return _add_grads(ctx, dys, dh) + (None,) * 5
-
-
-def _hand_out(y: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
-    return (y, *(y.view_as(y) for _ in range(consumers - 1)))
+# y = norm(x): outputs (y, rstd), y handed to several consumers as views (fan_out) in eager.
+RMS_NORM = Op(
+    "rms_norm",
+    _forward,
+    fake=_forward_fake,
+    setup_context=_setup_context,
+    backward=_backward,
+    fan_out=0,
+)
+# h = residual + branch, y = norm(h): outputs (h, y, rstd), y fanned out as above.
+ADD_RMS_NORM = Op(
+    "add_rms_norm",
+    _add_forward,
+    fake=_add_forward_fake,
+    setup_context=_add_setup_context,
+    backward=_add_backward,
+    fan_out=1,
+)
 
 
 # --- public API -----------------------------------------------------------------------------
@@ -585,12 +544,12 @@ def rms_norm(
     in_place_backward: bool = False,
 ) -> torch.Tensor:
     """Fused RMSNorm over the last dim of x (any leading shape). See the module docstring."""
-    return rms_norm_consumed(
+    return rms_norm_per_consumer(
         x, weight, eps, offset=offset, casting=casting, in_place_backward=in_place_backward
     )[0]
 
 
-def rms_norm_consumed(
+def rms_norm_per_consumer(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
@@ -607,10 +566,7 @@ def rms_norm_consumed(
     # The kernels read the weight with unit stride; autograd sends its gradient through the copy.
     weight = weight.contiguous()
     args = (x, weight, float(eps), float(offset), casting == "gemma", in_place_backward)
-    if use_custom_op(x):
-        return (torch.ops.memplan.rms_norm(*args)[0],) * consumers
-    outputs = _RMSNormFunction.apply(*args, consumers)
-    return outputs if consumers > 1 else (outputs,)
+    return RMS_NORM.fanned_out(*args, consumers=consumers)[1]
 
 
 def add_rms_norm(
@@ -625,14 +581,15 @@ def add_rms_norm(
     in_place_backward: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """(h, ys): h = residual + branch (the next residual stream, in their dtype) and ys =
-    rms_norm(h) once per consumer as in rms_norm_consumed, from one read of residual and branch.
-    Backward adds h's own gradient to the norm's input gradient in the same pass. residual and
-    branch must have one shape and dtype. Without a branch h is residual (a view of it: the first
-    layer's residual stream, whose gradient then joins the norm's in the same pass too)."""
+    rms_norm(h) once per consumer as in rms_norm_per_consumer, from one read of residual and
+    branch. Backward adds h's own gradient to the norm's input gradient in the same pass.
+    residual and branch must have one shape and dtype. Without a branch h is residual (a view of
+    it: the first layer's residual stream, whose gradient then joins the norm's in the same pass
+    too)."""
     _check_args(residual, weight, casting, consumers)
     if branch is None:
         if use_custom_op(residual):  # a custom op cannot return a view of its input
-            return residual, rms_norm_consumed(
+            return residual, rms_norm_per_consumer(
                 residual, weight, eps, consumers=consumers, offset=offset, casting=casting,
                 in_place_backward=in_place_backward,
             )  # fmt: skip
@@ -645,11 +602,8 @@ def add_rms_norm(
         check_floating("add_rms_norm", branch)
     weight = weight.contiguous()
     args = (residual, branch, weight, float(eps), float(offset), casting == "gemma")
-    if use_custom_op(residual):
-        h, y, _ = torch.ops.memplan.add_rms_norm(*args, in_place_backward)
-        return h, (y,) * consumers
-    h, *ys = _AddRMSNormFunction.apply(*args, in_place_backward, consumers)
-    return h, tuple(ys)
+    (h, *_), ys = ADD_RMS_NORM.fanned_out(*args, in_place_backward, consumers=consumers)
+    return h, ys
 
 
 def reference_add_rms_norm(

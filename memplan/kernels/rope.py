@@ -23,13 +23,13 @@ from torch.autograd.function import once_differentiable
 
 from memplan.errors import UsageError
 from memplan.kernels._launch import fast_launch
+from memplan.kernels._op import Op, launcher, use_custom_op
 from memplan.kernels._utils import (
     check_floating,
     may_write_over,
     memory_overlaps,
     next_power_of_2,
     on_device,
-    use_custom_op,
 )
 
 
@@ -95,7 +95,7 @@ def _rope_kernel(
     n_k_heads,
     # strides in (batch, seq, head) order, whatever the tensors' dim order; head_dim has unit
     # stride in every tensor and sin shares cos's strides (each argument costs host time on
-    # every launch: ~0.27 us, benchmarks/probe_host.py --args)
+    # every launch)
     q_sb,
     q_ss,
     q_sh,
@@ -179,11 +179,7 @@ def _check_shapes(
 
 def _num_warps(block_qh: int, block_kh: int, block_d: int) -> int:
     """Warps for one program, which moves (q heads + k heads) x head_dim elements: one warp per
-    512 elements, at most 8. H200, GPU time of forward / in-place backward (bench_kernels.py
-    --tune --ops rope), against 2 warps: 40 heads x 128 at 8 warps 321 / 331 us against
-    330 / 335 us at 8 x 8192 tokens, 22.4 / 18.2 against 22.7 / 17.9 us at 1 x 4096; 32 heads
-    x 128 at 8 warps 257 / 259 against 260 / 264 us; 40 heads x 64 at 4 warps 42.0 / 42.2
-    against 41.8 / 42.1 us with 1 warp."""
+    512 elements, at most 8 (chosen by `bench_kernels.py --tune --ops rope`)."""
     per_512 = max(1, (block_qh + block_kh) * block_d * 2 // 512)
     return min(8, 1 << (per_512.bit_length() - 1))
 
@@ -247,49 +243,65 @@ def _launch(
     return q_out, k_out
 
 
-# --- custom ops and autograd ----------------------------------------------------------------
+# --- op declarations (memplan.kernels._op) --------------------------------------------------
 
 
-@torch.library.custom_op("memplan::rope", mutates_args=())
-def _rope_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int,
+    in_place: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, cos, sin, unsqueeze_dim, backward=False)
+    """(q_out, k_out); in place (eager path only: rope() turns it off where the custom op runs)
+    they are new views of q's and k's rotated memory. Not marked dirty (autograd refuses that
+    for two outputs that are views, which q and k are): the caller guarantees nothing reads the
+    unrotated q and k, as with Liger-Kernel's RoPE."""
+    q_out, k_out = _launch(q, k, cos, sin, unsqueeze_dim, backward=False, in_place=in_place)
+    if in_place:
+        return q_out.view_as(q_out), k_out.view_as(k_out)
+    return q_out, k_out
 
 
-@_rope_op.register_fake
-def _(q, k, cos, sin, unsqueeze_dim):
+def _forward_fake(q, k, cos, sin, unsqueeze_dim, in_place):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@torch.library.custom_op("memplan::rope_backward", mutates_args=())
-def _rope_backward_op(
+def _backward_fake(dq, dk, cos, sin, unsqueeze_dim):
+    return torch.empty_like(dq), torch.empty_like(dk)
+
+
+@launcher("rope_backward", fake=_backward_fake)
+def _backward_launch(
     dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposed rotation of dq and dk, into new tensors."""
     return _launch(dq, dk, cos, sin, unsqueeze_dim, backward=True)
 
 
-@_rope_backward_op.register_fake
-def _(dq, dk, cos, sin, unsqueeze_dim):
-    return torch.empty_like(dq), torch.empty_like(dk)
+def _setup_context(ctx, inputs, output):
+    """Saves cos and sin only."""
+    _q, _k, cos, sin, unsqueeze_dim, in_place = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.unsqueeze_dim, ctx.in_place = unsqueeze_dim, in_place
 
 
 @once_differentiable  # linear in dq and dk: a second derivative only through them
 def _backward(ctx, dq, dk):
-    """Gradients of (q, k, cos, sin, unsqueeze_dim); shared by the custom op's autograd
-    (torch.compile, fake and meta tensors) and the eager autograd.Function."""
+    """Gradients of (q, k, cos, sin, unsqueeze_dim, in_place)."""
     cos, sin = ctx.saved_tensors
-    if use_custom_op(dq):
-        dq, dk = torch.ops.memplan.rope_backward(dq, dk, cos, sin, ctx.unsqueeze_dim)
+    # In place only into gradients that own their elements (not expanded ones, e.g. from a
+    # sum's backward).
+    if (
+        ctx.in_place
+        and not use_custom_op(dq)
+        and _in_place_layout(dq, dk)
+        and not memory_overlaps(dq, dk)
+    ):
+        dq, dk = _launch(dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True, in_place=True)
     else:
-        # In place only into gradients that own their elements (not expanded ones, e.g. from a
-        # sum's backward).
-        in_place = (
-            getattr(ctx, "in_place", False)
-            and _in_place_layout(dq, dk)
-            and not memory_overlaps(dq, dk)
-        )
-        dq, dk = _launch(dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True, in_place=in_place)
+        dq, dk = _backward_launch(dq, dk, cos, sin, ctx.unsqueeze_dim)
     return dq, dk, None, None, None, None
 
 
@@ -306,36 +318,8 @@ def _in_place_layout(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _setup_context(ctx, inputs, output):
-    _q, _k, cos, sin, unsqueeze_dim = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.unsqueeze_dim = unsqueeze_dim
-
-
-def _op_backward(ctx, dq, dk):
-    return _backward(ctx, dq, dk)[:5]
-
-
-_rope_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _RopeFunction(torch.autograd.Function):
-    """The eager path (see memplan.kernels._utils.use_custom_op)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim, in_place):
-        ctx.save_for_backward(cos, sin)
-        ctx.unsqueeze_dim = unsqueeze_dim
-        ctx.in_place = in_place
-        q_out, k_out = _launch(q, k, cos, sin, unsqueeze_dim, backward=False, in_place=in_place)
-        if in_place:
-            # Not marked dirty (autograd refuses that for two outputs that are views, which q
-            # and k are): the caller guarantees nothing reads the unrotated q and k, as with
-            # Liger-Kernel's RoPE. The outputs are new views of the rotated memory.
-            return q_out.view_as(q_out), k_out.view_as(k_out)
-        return q_out, k_out
-
-    backward = staticmethod(_backward)
+# outputs (q rotated, k rotated)
+ROPE = Op("rope", _forward, fake=_forward_fake, setup_context=_setup_context, backward=_backward)
 
 
 # --- public API -----------------------------------------------------------------------------
@@ -362,7 +346,11 @@ def rope(
     out-of-place op runs instead and the returned tensors are new)."""
     _check_shapes(q, k, cos, sin, unsqueeze_dim)
     # A leaf that requires grad (or a view of one) must keep its values: rotated out of place.
-    in_place = in_place and _in_place_layout(q, k) and may_write_over(q) and may_write_over(k)
-    if use_custom_op(q):
-        return torch.ops.memplan.rope(q, k, cos, sin, unsqueeze_dim)
-    return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, in_place)
+    in_place = (
+        in_place
+        and not use_custom_op(q)
+        and _in_place_layout(q, k)
+        and may_write_over(q)
+        and may_write_over(k)
+    )
+    return ROPE(q, k, cos, sin, unsqueeze_dim, in_place)

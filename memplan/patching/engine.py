@@ -33,15 +33,12 @@ from memplan.schema import (
     ModelSpec,
     Plan,
 )
+from memplan.versions import warn_if_unvalidated
 
 _STATE_ATTR = "_memplan_patch_state"
 # accelerate.prepare's mixed-precision wrapper keeps the forward it wrapped under this name.
 _ACCELERATE_WRAPPED = "_original_forward"
 _REPLICATE = "_replicate_for_data_parallel"
-
-# "0": the decoder layers keep their forwards (their norms are still patched), for side-by-side
-# timings of the layer patch (benchmarks/probe_e2e_variants.py).
-FUSED_RESIDUALS_ENV = "MEMPLAN_FUSED_RESIDUALS"
 
 KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {
     "rms_norm": ("memplan.kernels.rms_norm", "rms_norm"),
@@ -113,9 +110,13 @@ class _Installed:
 
 @dataclass
 class _State:
+    """A patch in place: what it did, the forwards it set, what was asked, and the norms'
+    handoffs its forwards share (forwards.PrenormedHandoff, by norm module id)."""
+
     applied: AppliedPatch
     installed: list[_Installed]
     request: tuple[Any, ...]
+    handoffs: Mapping[int, forwards.PrenormedHandoff] = field(default_factory=dict)
 
 
 @dataclass
@@ -157,6 +158,7 @@ def apply(
     hf_model = unwrap(model)
     spec = spec_for(hf_model)
     _check_device()
+    warn_if_unvalidated(gpu=_gpu_name(hf_model))
     for name, value in (("flce_chunk", flce_chunk), ("flce_memory_budget", flce_memory_budget)):
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise UsageError(f"{name} must be a positive integer, got {value!r}")
@@ -198,8 +200,9 @@ def apply(
 
     functions = {name: load_kernel(name) for name in chosen}
     originals = {id(i.module): i for i in state.installed} if state is not None else {}
+    handoffs: dict[int, forwards.PrenormedHandoff] = {}
     targets = _plan_targets(
-        hf_model, spec, chosen, functions, (flce_chunk, flce_memory_budget), originals
+        hf_model, spec, chosen, functions, (flce_chunk, flce_memory_budget), originals, handoffs
     )
     modules: dict[str, list[str]] = {k: [] for k in chosen}
     for target in targets:
@@ -233,7 +236,7 @@ def apply(
             _install_all([_Target("", i.module, (), i.forward) for i in state.installed])
             setattr(hf_model, _STATE_ATTR, state)
         raise
-    setattr(hf_model, _STATE_ATTR, _State(applied, installed, request))
+    setattr(hf_model, _STATE_ATTR, _State(applied, installed, request, handoffs))
     return applied
 
 
@@ -368,6 +371,14 @@ def load_kernel(name: str) -> Callable[..., Any]:
 # Resolution and checks
 
 
+def _gpu_name(hf_model: nn.Module) -> str | None:
+    """The name of the CUDA device the model's first parameter is on, or None."""
+    parameter = next(hf_model.parameters(), None)
+    if parameter is None or not parameter.is_cuda:
+        return None
+    return torch.cuda.get_device_name(parameter.device)
+
+
 def _check_device() -> None:
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         return
@@ -470,8 +481,10 @@ def _plan_targets(
     functions: Mapping[str, Callable[..., Any]],
     flce_setting: tuple[int | None, int | None],
     originals: Mapping[int, _Installed],
+    handoffs: dict[int, forwards.PrenormedHandoff],
 ) -> list[_Target]:
-    """Every module to patch with its new forward; raises before anything is changed."""
+    """Every module to patch with its new forward; raises before anything is changed. Fills
+    `handoffs` with one PrenormedHandoff per patched norm."""
     glu = next((k for k in ("swiglu", "geglu") if k in chosen), None)
     loss_kernels = _loss_kernels(
         hf_model, tuple(k for k in ("cross_entropy", "flce") if k in chosen)
@@ -483,7 +496,8 @@ def _plan_targets(
         try:
             if "rms_norm" in chosen and cls in spec.norm.classes:
                 _require(module, ("weight", spec.norm.eps_attr))
-                forward = forwards.norm_forward(spec.norm, functions["rms_norm"])
+                handoff = handoffs.setdefault(id(module), forwards.PrenormedHandoff(module))
+                forward = forwards.norm_forward(spec.norm, functions["rms_norm"], handoff)
                 targets.append(_Target(name, module, ("rms_norm",), forward))
             elif "rope" in chosen and cls in spec.attention.classes:
                 needed = ["config", "head_dim", "scaling", "layer_idx", "o_proj"]
@@ -527,9 +541,8 @@ def _plan_targets(
                 targets.append(_Target(cls, module, loss_kernels, forward))
         except (AttributeError, TypeError, ValueError) as exc:
             raise _layout_error(name or cls, module, spec, exc) from exc
-    fuse_residuals = os.environ.get(FUSED_RESIDUALS_ENV, "1") != "0"
-    if "rms_norm" in chosen and spec.decoder_layer is not None and fuse_residuals:
-        targets += _decoder_layer_targets(hf_model, spec, targets)
+    if "rms_norm" in chosen and spec.decoder_layer is not None:
+        targets += _decoder_layer_targets(hf_model, spec, targets, handoffs)
     _check_forwards_are_free(hf_model, targets, originals)
     return targets
 
@@ -542,7 +555,10 @@ def _layout_error(name: str, module: nn.Module, spec: PatchSpec, exc: Exception)
 
 
 def _decoder_layer_targets(
-    hf_model: nn.Module, spec: PatchSpec, targets: Sequence[_Target]
+    hf_model: nn.Module,
+    spec: PatchSpec,
+    targets: Sequence[_Target],
+    handoffs: Mapping[int, forwards.PrenormedHandoff],
 ) -> list[_Target]:
     """The decoder layers whose two norms memplan patches, with their residual adds fused into
     the norms (forwards.decoder_layer_forward), wired to the modules around them."""
@@ -571,7 +587,7 @@ def _decoder_layer_targets(
     base = getattr(hf_model, spec.causal_lm.base_model_attr, None)
     final_norm = patched_norm(getattr(base, layer_spec.final_norm_attr, None))
     norm_module = importlib.import_module(KERNEL_FUNCTIONS["rms_norm"][0])
-    norm_kernels = (norm_module.rms_norm_consumed, norm_module.add_rms_norm)
+    norm_kernels = (norm_module.rms_norm_per_consumer, norm_module.add_rms_norm)
     result = []
     for index, (name, layer) in enumerate(layers):
         if not eligible(layer):
@@ -588,10 +604,13 @@ def _decoder_layer_targets(
         else:
             next_norm, next_inputs = final_norm, 1
         wiring = forwards.LayerWiring(
+            layer=layer,
             attention_inputs=attention_inputs(layer),
             mlp_inputs=mlp_inputs(layer),
+            input_handoff=handoffs[id(layer.input_layernorm)],
             next_norm=next_norm,
             next_inputs=next_inputs,
+            next_handoff=handoffs[id(next_norm)] if next_norm is not None else None,
         )
         forward = forwards.decoder_layer_forward(layer_spec, spec.norm, norm_kernels, wiring)
         result.append(_Target(name, layer, ("rms_norm",), forward))
@@ -721,4 +740,3 @@ def _restore(installed: Sequence[_Installed]) -> None:
             continue
         record.module.__dict__.pop("forward", None)
         record.module.__dict__.pop(_REPLICATE, None)
-        record.module.__dict__.pop(forwards.PRENORMED, None)

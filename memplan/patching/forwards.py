@@ -33,9 +33,43 @@ Forward = Callable[..., Any]
 # view of the normalized input per projection (see DecoderLayerSpec).
 PROJECTION_INPUTS = "memplan_projection_inputs"
 
-# Instance attribute of a norm module: (h, views of norm(h)) computed by the previous layer's
-# last residual add, for the norm's next call on exactly h.
-PRENORMED = "_memplan_prenormed"
+
+class PrenormedHandoff:
+    """One norm's output handed from the decoder layer that computed it to the norm's next call.
+
+    A patched layer runs its last residual add inside the norm that reads the result (the next
+    layer's input_layernorm, or the model's final norm): it computes h = residual + branch and
+    norm(h) in one pass, returns h, and leaves (h, the views of norm(h)) here; the norm's next
+    call, or the next layer reading its input norm, takes them. One handoff per norm module,
+    made at apply time and held by the forwards that use it (nothing on the module itself).
+
+    Invariant: it holds at most one entry, and hands the views out only to a call of its own
+    norm module on exactly the tensor h (the same object). Any take() by that norm removes the
+    entry, so activations never outlive the next call, and a call on another tensor (a forward
+    hook replaced the layer's output) gets None and computes the norm itself. A copy of the
+    model (copy.deepcopy, nn.DataParallel's replicas) shares the forwards' closures but not the
+    modules: its norms get None here, and its layers leave nothing (LayerWiring.layer)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        self.norm = norm
+        self._source: torch.Tensor | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
+
+    def leave(self, source: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> None:
+        self._source, self._outputs = source, outputs
+
+    def take(self, norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """norm(x)'s views if `norm` is this handoff's norm and they were left for exactly x,
+        else None; a take by the handoff's norm removes the entry."""
+        source, outputs = self._source, self._outputs
+        if source is None or norm is not self.norm:
+            return None
+        self._source, self._outputs = None, ()
+        return outputs if source is x else None
+
+    @property
+    def empty(self) -> bool:
+        return self._source is None
 
 
 def _norm_options(spec: NormSpec) -> dict[str, Any]:
@@ -46,21 +80,16 @@ def _norm_options(spec: NormSpec) -> dict[str, Any]:
     }
 
 
-def take_prenormed(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """The outputs the previous layer computed for this norm if x is the tensor it computed them
-    from; the entry is removed either way (it holds activations)."""
-    if PRENORMED not in norm.__dict__:
-        return None
-    source, outputs = norm.__dict__.pop(PRENORMED)
-    return outputs if source is x else None
-
-
-def norm_forward(spec: NormSpec, rms_norm: Callable[..., torch.Tensor]) -> Forward:
+def norm_forward(
+    spec: NormSpec, rms_norm: Callable[..., torch.Tensor], handoff: PrenormedHandoff
+) -> Forward:
+    """The norm's forward: the output a decoder layer left in `handoff` for this input, else
+    the kernel."""
     eps_attr = spec.eps_attr
     options = _norm_options(spec)
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        prenormed = take_prenormed(self, hidden_states)
+        prenormed = handoff.take(self, hidden_states)
         if prenormed is not None:
             return prenormed[0]
         return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), **options)
@@ -110,14 +139,20 @@ class LayerWiring:
     attention_inputs / mlp_inputs: how many views of the normalized input the layer's attention
         and MLP forwards take (3 for memplan's attention with q, k, v projections, 2 for memplan's
         MLP with gate and up projections, else 1).
+    layer: the decoder layer these were made for: a copy of it (deepcopy, DataParallel) runs
+        every add as its own, with its own norms.
+    input_handoff: where the layer before left this layer's input norm's output.
     next_norm: the norm that reads this layer's output (the next layer's input_layernorm, or the
-        model's final norm), with next_inputs views of its output; None: the layer's last
-        residual add stays a plain add."""
+        model's final norm), with next_inputs views of its output, left in next_handoff (that
+        norm's handoff); None: the layer's last residual add stays a plain add."""
 
+    layer: nn.Module
     attention_inputs: int
     mlp_inputs: int
+    input_handoff: PrenormedHandoff
     next_norm: nn.Module | None
     next_inputs: int
+    next_handoff: PrenormedHandoff | None
 
 
 def decoder_layer_forward(
@@ -128,10 +163,12 @@ def decoder_layer_forward(
 ) -> Forward:
     """The pre-norm decoder layer of DecoderLayerSpec, with each residual add fused into the norm
     after it. The add that ends the layer runs with the next norm, in this layer: its result goes
-    to the next norm's module (PRENORMED), which hands it out when it is called on this layer's
-    output. Not under gradient checkpointing (the recomputed next layer would compute its norm
-    where the first forward took it from here) nor while torch.compile traces."""
+    to the next norm's handoff (PrenormedHandoff), which hands it out when that norm is called
+    on this layer's output. Not under gradient checkpointing (the recomputed next layer would
+    compute its norm where the first forward took it from here) nor while torch.compile
+    traces."""
     consumed_norm, add_norm = norm_kernels
+    checkpoints_in_forward = layers_checkpoint_in_forward()
     eps_attr = norm_spec.eps_attr
     options = _norm_options(norm_spec)
     dropouts = spec.branch_dropouts
@@ -159,8 +196,13 @@ def decoder_layer_forward(
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if args:  # arguments only the family's own signature can place
             return type(self).forward(self, hidden_states, *args, **kwargs)
+        if checkpoints_in_forward and self.training and torch.is_grad_enabled():
+            if getattr(self, "gradient_checkpointing", False):
+                # transformers checkpoints the class's forward, which this one replaces: the
+                # family's own forward runs, checkpointed, its norms and projections patched
+                return type(self).forward(self, hidden_states, **kwargs)
         residual = hidden_states
-        views = take_prenormed(self.input_layernorm, hidden_states)
+        views = wiring.input_handoff.take(self.input_layernorm, hidden_states)
         if views is None:
             residual, views = added_normed(
                 self.input_layernorm, hidden_states, None, wiring.attention_inputs
@@ -180,16 +222,25 @@ def decoder_layer_forward(
         next_norm = wiring.next_norm
         if (
             next_norm is None
+            or self is not wiring.layer
             or (self.training and getattr(self, "gradient_checkpointing", False))
             or torch.compiler.is_compiling()
             or next_norm.weight.device != residual.device
         ):
             return residual + mlp_out
         hidden_states, next_views = added_normed(next_norm, residual, mlp_out, wiring.next_inputs)
-        next_norm.__dict__[PRENORMED] = (hidden_states, next_views)
+        wiring.next_handoff.leave(hidden_states, next_views)
         return hidden_states
 
     return forward
+
+
+def layers_checkpoint_in_forward() -> bool:
+    """Whether transformers' decoder layers apply gradient checkpointing inside the class's
+    forward (from 5.2x) rather than in __call__ around whatever forward the instance has."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" not in vars(GradientCheckpointingLayer)
 
 
 def family_function(module: nn.Module, name: str) -> Callable[..., Any]:
@@ -243,6 +294,8 @@ def attention_forward(
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # transformers 5.2x names the layer's KV cache `cache` (earlier: past_key_values)
+        cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -275,8 +328,8 @@ def attention_forward(
         # place, except as slices of a fused qkv output, which attention would then keep whole.
         query, key = _rotate(rope, query, key, cos, sin, in_place=spec.qkv != "fused")
 
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
 
         options: dict[str, Any] = {}
         if spec.sliding_window == "module":
@@ -317,6 +370,10 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) ->
     return hidden[:, logits_to_keep, :]
 
 
+# The names transformers gave the KV cache, as a forward argument and an output field.
+CACHE_NAMES = ("past_key_values", "cache")
+
+
 class LossKernels:
     """The loss kernels a patched causal LM uses: FLCE when enabled, else cross entropy on the
     logits (computed in place of them: they are not returned in training)."""
@@ -341,9 +398,14 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     from memplan.kernels.fused_linear_cross_entropy import prefetch_targets
-    from memplan.patching.cache import StatelessCache, skips_packed_check
+    from memplan.patching.stateless_cache import StatelessCache, skips_packed_check
 
     signature = inspect.signature(original)
+    # transformers 5.2x renamed past_key_values to cache, as an argument and an output field
+    cache_arg = "cache" if "cache" in signature.parameters else "past_key_values"
+    cache_field = next(
+        f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in CACHE_NAMES
+    )
     var_keyword = next(
         (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
     )
@@ -365,8 +427,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             # transformers builds a KV cache in training too (config.use_cache), holding a copy
             # of every layer's keys and values until the forward returns: under autocast (fp32
             # keys, not what SDPA saves) or eager attention (which saves repeated copies) that
-            # is memory nobody reads, alive at the loss. Measured: 0.88 GiB on qwen3-0.6b,
-            # batch 4 x 1024, amp-bf16.
+            # is memory nobody reads, alive at the loss.
             kwargs["use_cache"] = False
             # HF's tuple output would hold that cache (not under gradient checkpointing, which
             # turns it off): its slot stays, as None, so hidden states and attentions keep their
@@ -394,14 +455,15 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         target = shift_labels.reshape(-1)
         head = self.lm_head
+        prefetched = None
         if kernels.flce is not None and plain_linear(head) and target.device == head.weight.device:
-            prefetch_targets(target, ignore_index, head.weight.shape[0])
+            prefetched = prefetch_targets(target, ignore_index, head.weight.shape[0])
         base = getattr(self, spec.base_model_attr)
         stateless = skips_packed_check(model_kwargs, base)
         if stateless:
-            model_kwargs["past_key_values"] = StatelessCache(config=self.config)
+            model_kwargs[cache_arg] = StatelessCache(config=self.config)
         outputs = base(**model_kwargs)
-        past_key_values = None if stateless else outputs.past_key_values
+        past_key_values = None if stateless else getattr(outputs, cache_field)
         hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
 
         target = target.to(hidden.device)
@@ -414,13 +476,14 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             ignore_index=ignore_index,
             softcap=softcap,
             num_items_in_batch=kwargs.get("num_items_in_batch"),
+            prefetched=prefetched,
         )
 
         if not spec.moe_aux_loss:
             result = CausalLMOutputWithPast(
                 loss=loss,
                 logits=None,
-                past_key_values=past_key_values,
+                **{cache_field: past_key_values},
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
             )
@@ -439,12 +502,12 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
                 loss=loss,
                 aux_loss=aux_loss,
                 logits=None,
-                past_key_values=past_key_values,
+                **{cache_field: past_key_values},
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
                 router_logits=outputs.router_logits,
             )
-        return result if return_dict else _to_tuple(result, cache_slot)
+        return result if return_dict else _to_tuple(result, cache_field if cache_slot else None)
 
     # HF's signature, for what inspects the forward: the Trainer keeps only the dataset columns
     # it names, generate() checks it for attention_mask and logits_to_keep.
@@ -452,11 +515,11 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
     return forward
 
 
-def _to_tuple(output: Any, cache_slot: bool) -> tuple[Any, ...]:
+def _to_tuple(output: Any, cache_slot: str | None) -> tuple[Any, ...]:
     """output.to_tuple() with the logits slot kept (None), and the cache's where HF would have
     returned one: to_tuple drops None fields, which would move hidden states or the cache to
     where HF's tuple has the logits."""
-    kept = ("logits", "past_key_values") if cache_slot else ("logits",)
+    kept = ("logits", cache_slot) if cache_slot else ("logits",)
     return tuple(
         getattr(output, f.name)
         for f in dataclasses.fields(output)
@@ -479,7 +542,10 @@ def _loss(
     ignore_index: int,
     softcap: float | None,
     num_items_in_batch: Any,
+    prefetched: Any = None,
 ) -> torch.Tensor:
+    """The loss of the causal LM's last hidden states; `prefetched`: FLCE's target flags copied
+    at the forward's start (memplan.kernels.fused_linear_cross_entropy.prefetch_targets)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     # FLCE needs the projection's weight; an adapter-wrapped lm_head (PEFT modules_to_save, LoRA)
     # is called as a module and its logits go to the cross-entropy kernel instead.
@@ -495,6 +561,7 @@ def _loss(
             num_items_in_batch=num_items_in_batch,
             chunk_size=kernels.flce_chunk,
             memory_budget=kernels.flce_memory_budget,
+            prefetched=prefetched,
         )
     logits = lm_head(hidden)
     cross_entropy = kernels.cross_entropy

@@ -1,4 +1,4 @@
-"""memplan.verify: run the measurement protocol (shared/reference/measurement_protocol.md) in a
+"""memplan.verify: run the measurement protocol (docs/measurement_protocol.md) in a
 fresh subprocess per case and set the measured peak beside the prediction; reports and plots.
 
     verify(model, batch=, seq=, plan=, **setup) -> Report     one or many cases, measured

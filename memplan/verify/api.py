@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from memplan import versions
 from memplan.errors import MemplanError
 from memplan.schema import Advice, Gpu, Measurement, Plan, Report
 from memplan.verify.cases import PlannedCase, plan_cases
@@ -30,6 +31,7 @@ def execute(
     """Run every case, one fresh process after the other. Stops at the first case that finds no
     usable GPU (every later case would too) with NoGpuError, which keeps the cases measured
     before it; out of memory and other failures are recorded."""
+    versions.warn_if_unvalidated()
     measurements: list[Measurement] = []
     for i, item in enumerate(planned):
         if on_start:

@@ -1,4 +1,4 @@
-"""The constants of the measurement protocol (shared/reference/measurement_protocol.md) shared by
+"""The constants of the measurement protocol (docs/measurement_protocol.md) shared by
 the parent (`memplan verify`) and its child process, and the names of cases. No torch here."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The child process of `memplan verify`: one run of the measurement protocol
-(shared/reference/measurement_protocol.md) in a fresh process, nothing else on the GPU before it.
+(docs/measurement_protocol.md) in a fresh process, nothing else on the GPU before it.
 
     python -m memplan.verify.worker CASE_JSON OUT_JSON
 
@@ -21,7 +21,7 @@ from typing import Any
 import memplan
 from memplan.schema import Measurement, ProfileOp, ProfileTable, VerifyCase
 from memplan.verify import protocol
-from memplan.verify.timeline import downsample, events_from_trace, marker_sizes
+from memplan.verify.allocator_trace import downsample, events_from_trace, marker_sizes
 
 # Where tensors go. The protocol measures on CUDA; CPU tests point this at "cpu" and replace
 # torch.cuda's memory counters with fakes to run the rest of the child as it is.

@@ -206,7 +206,7 @@ def test_loss_options_as_numpy_scalars_match_python_numbers(device, entry):
         loss = functools.partial(fused_linear_cross_entropy, hidden, weight, target)
         module = FusedLinearCrossEntropyLoss
     assert torch.allclose(loss(**numpy), loss(**python), rtol=1e-6)
-    options = module(**numpy)
+    options = module(**numpy).options
     assert type(options.ignore_index) is int and type(options.softcap) is float
 
 
@@ -225,3 +225,29 @@ def test_loss_ignore_index_as_an_integer_and_softcap_none_still_work(device):
     big = 2**40  # beyond int32: the kernels compare int64 targets
     got = cross_entropy(logits, target.masked_fill(target < 0, big), ignore_index=big)
     assert torch.allclose(got, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.complex64])
+def test_loss_refuses_targets_that_are_not_class_indices(device, dtype):
+    """A bool target was cast to classes 0/1 (torch refuses it); FLCE also took float ones."""
+    target = torch.ones(3, dtype=dtype, device=device)
+    with pytest.raises(UsageError, match="integer class targets"):
+        cross_entropy(torch.randn(3, 5, device=device), target)
+    with pytest.raises(UsageError, match="integer class targets"):
+        fused_linear_cross_entropy(
+            torch.randn(3, 4, device=device), torch.randn(5, 4, device=device), target
+        )
+
+
+def test_loss_refuses_empty_classes_and_integer_inputs(device):
+    target = torch.zeros(3, dtype=torch.int64, device=device)
+    with pytest.raises(UsageError, match="at least one class"):
+        cross_entropy(torch.randn(3, 0, device=device), target)
+    for hidden, weight in [((3, 4), (0, 4)), ((3, 0), (5, 0))]:  # was a ZeroDivisionError
+        with pytest.raises(UsageError, match="at least 1"):
+            fused_linear_cross_entropy(
+                torch.randn(hidden, device=device), torch.randn(weight, device=device), target
+            )
+    ints = torch.ones(3, 4, dtype=torch.int64, device=device)  # gave a loss on CPU
+    with pytest.raises(UsageError, match="floating-point"):
+        fused_linear_cross_entropy(ints, torch.ones(5, 4, dtype=torch.int64), target)

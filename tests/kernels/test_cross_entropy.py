@@ -11,6 +11,10 @@ import memplan.kernels.cross_entropy as ce_module
 from memplan.errors import UsageError
 from memplan.estimators.kernel_contracts import cross_entropy_saved_bytes
 from memplan.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, reference_cross_entropy
+from memplan.kernels.fused_linear_cross_entropy import (
+    fused_linear_cross_entropy,
+    reference_fused_linear_cross_entropy,
+)
 
 # Triton's CPU interpreter truncates fp32 -> bf16 stores instead of rounding them, which about
 # doubles bf16 errors there; on the GPU the bound is the issue's 1e-2.
@@ -32,6 +36,10 @@ OPTIONS = {
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def make_inputs(n_rows, vocab, dtype, n_ignored=2, seed=0):
@@ -296,3 +304,54 @@ def test_bad_shapes_raise_usage_error():
 def test_property_shapes(n_rows, vocab, dtype, option, inplace_grad, seed):
     logits, target = make_inputs(n_rows, vocab, dtype, n_ignored=n_rows // 3, seed=seed)
     check_against_reference(logits, target, dtype, inplace_grad=inplace_grad, **OPTIONS[option])
+
+
+def test_in_place_cross_entropy_over_expanded_logits(device):
+    """Rows that share their elements (stride 0) each wrote their gradient over the logits the
+    others still read: loss 20% off, gradient 127% off."""
+    row = torch.randn(1, 37, device=device, requires_grad=True)
+    ref_row = row.detach().clone().requires_grad_()
+    target = torch.tensor([0, 5, 36, 5, 11], device=device)
+    loss = cross_entropy((row * 1).expand(5, 37), target, inplace_grad=True, label_smoothing=0.1)
+    ref = reference_cross_entropy(ref_row.expand(5, 37), target, label_smoothing=0.1)
+    loss.backward()
+    ref.backward()
+    assert rel(loss, ref) <= 1e-5 and rel(row.grad, ref_row.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("count", [torch.tensor([3, 4]), torch.tensor(True)])
+def test_num_items_in_batch_tensor_of_one_number(device, count):
+    """Two counts were a raw reshape error, a bool tensor counted as 1 token."""
+    logits, target = torch.randn(3, 5, device=device), torch.tensor([0, 1, 2], device=device)
+    with pytest.raises(UsageError, match="one-element numeric tensor"):
+        cross_entropy(logits, target, num_items_in_batch=count.to(device))
+    with pytest.raises(UsageError, match="one-element numeric tensor"):
+        fused_linear_cross_entropy(
+            torch.randn(3, 4, device=device), torch.randn(5, 4, device=device), target,
+            num_items_in_batch=count.to(device),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("softcap", [0.5, 30.0, 1e6, 1e30])
+def test_softcap_tanh_is_accurate_for_large_caps(device, softcap):
+    """tanh(x / cap) came from 1 - exp(-2|x| / cap), which cancels for a small argument: a cap
+    of 1e6 gave gradients 0.6% off (1e8: 28%); now within fp32 rounding of the reference."""
+    torch.manual_seed(7)
+    logits = torch.randn(6, 70, device=device) * 3
+    target = torch.randint(0, 70, (6,), device=device)
+    leaf, ref_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = cross_entropy(leaf, target, softcap=softcap)
+    ref = reference_cross_entropy(ref_leaf, target, softcap=softcap)
+    loss.backward()
+    ref.backward()
+    assert rel(loss, ref) <= 1e-6 and rel(leaf.grad, ref_leaf.grad) <= 1e-5
+    hidden = torch.randn(6, 8, device=device, requires_grad=True)
+    weight = torch.randn(70, 8, device=device, requires_grad=True)
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    ref_weight = weight.detach().clone().requires_grad_()
+    loss = fused_linear_cross_entropy(hidden, weight, target, softcap=softcap)
+    ref = reference_fused_linear_cross_entropy(ref_hidden, ref_weight, target, softcap=softcap)
+    loss.backward()
+    ref.backward()
+    assert rel(loss, ref) <= 1e-6
+    assert rel(hidden.grad, ref_hidden.grad) <= 1e-5 and rel(weight.grad, ref_weight.grad) <= 1e-5

@@ -78,7 +78,7 @@ def record_schedules(monkeypatch):
     original = flce_module._flce
 
     def spy(*args):
-        seen.append(args[12])
+        seen.append(args[9])  # _flce's schedule
         return original(*args)
 
     monkeypatch.setattr(flce_module, "_flce", spy)
@@ -93,7 +93,10 @@ def test_matches_reference_default_chunk(dtype, shape, option):
     check(x, w, b, target, dtype, **OPTIONS[option])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# bf16 chunking is also covered by test_schedules and the default-chunk test
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("chunk_size", [1, 5, 37, 64])
 @pytest.mark.parametrize("option", ["plain", "smoothing_softcap_z", "none"])
 def test_chunk_sizes(dtype, chunk_size, option):
@@ -123,9 +126,11 @@ def test_bias_reduction_none():
         (torch.bfloat16, {"chunk_size": 64}, "one_pass"),  # one chunk
         (torch.float32, {"chunk_size": 5}, "one_pass"),  # fp32 weight accumulates in dW
         (torch.bfloat16, {"chunk_size": 5}, "two_pass"),
-        (torch.bfloat16, {}, "two_pass"),  # the default formula chunk (2)
+        pytest.param(torch.bfloat16, {}, "two_pass", marks=pytest.mark.slow),  # formula chunk (2)
         (torch.bfloat16, {"memory_budget": 55_000}, "one_pass_fp32_acc"),  # chunk 32
-        (torch.bfloat16, {"memory_budget": 30_000}, "two_pass"),  # chunk 16, no accumulator
+        pytest.param(  # chunk 16, no accumulator
+            torch.bfloat16, {"memory_budget": 30_000}, "two_pass", marks=pytest.mark.slow
+        ),
         (torch.bfloat16, {"memory_budget": 1 << 30}, "one_pass"),  # room for one chunk
     ],
 )
@@ -463,6 +468,7 @@ def test_torch_compile_fullgraph(reduction):
         assert rel_err(leaf.grad, ref_leaf.grad) <= 1e-5
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(
     n_rows=st.integers(1, 40),
@@ -478,3 +484,77 @@ def test_property_shapes(n_rows, hidden, vocab, chunk_size, dtype, option, seed)
         n_rows, hidden, vocab, dtype, bias=seed % 2 == 0, n_ignored=n_rows // 4, seed=seed
     )
     check(x, w, b, target, dtype, chunk_size=chunk_size, **OPTIONS[option])
+
+
+# hypothesis draws outside pytest's fixtures: the device is fixed here as the fixture fixes it
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    schedule=st.sampled_from(["one_pass", "one_pass_fp32_acc", "two_pass"]),
+    has_bias=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    num_items=st.sampled_from([None, 5, "tensor"]),
+    all_options=st.booleans(),
+    needs_grad=st.sampled_from([(1, 1, 1), (1, 0, 1), (0, 1, 0), (0, 0, 1)]),
+    ignored=st.sampled_from(["some", "first_chunk", "all"]),
+    chunk=st.sampled_from([2, 4, 9]),
+    per_token=st.booleans(),
+)
+def test_flce_option_combinations(
+    schedule, has_bias, reduction, num_items, all_options, needs_grad, ignored, chunk, per_token
+):
+    """Every schedule with bias, per-row scales ('none'), kept rows, frozen inputs, chunks that
+    do not divide the rows or hold no target, and num_items_in_batch, against the reference."""
+    if reduction != "mean":
+        num_items = None
+    gen = torch.Generator().manual_seed(chunk)
+    hidden, weight = torch.randn(9, 8, generator=gen), torch.randn(37, 8, generator=gen) / 2
+    bias = torch.randn(37, generator=gen) / 2 if has_bias else None
+    target = torch.randint(0, 37, (9,), generator=gen)
+    target[{"some": slice(5, 6), "first_chunk": slice(0, 4), "all": slice(None)}[ignored]] = -100
+    hidden, weight, target = hidden.to(DEVICE), weight.to(DEVICE), target.to(DEVICE)
+    bias = bias.to(DEVICE) if bias is not None else None
+    options = {
+        "reduction": reduction,
+        "num_items_in_batch": torch.tensor(5, device=DEVICE)
+        if num_items == "tensor"
+        else num_items,
+    }
+    if all_options:
+        options |= {"label_smoothing": 0.2, "softcap": 2.5, "z_loss_scale": 1e-2}
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    leaves = [t.clone().requires_grad_(bool(g)) for t, g in zip(inputs, needs_grad)]
+    twins = [t.clone().requires_grad_(bool(g)) for t, g in zip(inputs, needs_grad)]
+    if bias is None:
+        leaves.append(None)
+        twins.append(None)
+    original = flce_module.flce_schedule
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            flce_module,
+            "flce_schedule",
+            lambda *a, **k: schedule if k["weight_requires_grad"] else original(*a, **k),
+        )
+        out = fused_linear_cross_entropy(
+            *leaves[:2], target, leaves[2], chunk_size=chunk, return_per_token_loss=per_token,
+            **options,
+        )  # fmt: skip
+    ref = reference_fused_linear_cross_entropy(*twins[:2], target, twins[2], **options)
+    loss = out[0] if per_token else out
+    if per_token:
+        per_row = options | {"reduction": "none", "num_items_in_batch": None}
+        with torch.no_grad():
+            rows = reference_fused_linear_cross_entropy(*twins[:2], target, twins[2], **per_row)
+        assert torch.allclose(out[1], rows, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
+    if not ref.requires_grad:  # no input needs a gradient (bias-free, both frozen)
+        assert not loss.requires_grad
+        return
+    grad_out = (torch.rand(ref.shape, generator=gen) + 0.5).to(DEVICE)
+    loss.backward(grad_out)
+    ref.backward(grad_out)
+    for got, want in zip(leaves, twins):
+        if got is not None and got.requires_grad:
+            assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-6)

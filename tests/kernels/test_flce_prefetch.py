@@ -1,5 +1,6 @@
 """prefetch_targets: FLCE reads its per-chunk target flags and the range check from a copy issued
-ahead of the call, only while the copy still describes the target it is called with."""
+ahead of the call and passed to it, only while the copy still describes the target it is called
+with."""
 
 import pytest
 import torch
@@ -48,8 +49,8 @@ def test_a_prefetched_copy_is_used_and_gives_the_same_result(copies, device) -> 
     hidden, weight, target = inputs(device)
     expected = loss_and_grads(hidden, weight, target.clone())
     assert len(copies) == 1  # made at the call
-    prefetch_targets(target, -100, VOCAB)
-    got = loss_and_grads(hidden, weight, target)
+    prefetched = prefetch_targets(target, -100, VOCAB)
+    got = loss_and_grads(hidden, weight, target, prefetched=prefetched)
     assert len(copies) == 2  # the prefetch only
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -57,30 +58,30 @@ def test_a_prefetched_copy_is_used_and_gives_the_same_result(copies, device) -> 
 
 def test_a_stale_copy_is_not_used(copies, device) -> None:
     hidden, weight, target = inputs(device)
-    prefetch_targets(target, -100, VOCAB)
+    prefetched = prefetch_targets(target, -100, VOCAB)
     target[:CHUNK] = -100  # in place: the copy no longer describes it
     expected = loss_and_grads(hidden, weight, target.clone())
-    got = loss_and_grads(hidden, weight, target)
+    got = loss_and_grads(hidden, weight, target, prefetched=prefetched)
     assert len(copies) == 3
     torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
     assert got[1][:CHUNK].abs().max() == 0
-    prefetch_targets(target, -1, VOCAB)  # for another ignore_index: copied again at the call
-    loss_and_grads(hidden, weight, target)
+    # for another ignore_index: copied again at the call
+    prefetched = prefetch_targets(target, -1, VOCAB)
+    loss_and_grads(hidden, weight, target, prefetched=prefetched)
     assert copies[-2:] == [-1, -100]
 
 
 def test_the_range_check_holds_with_a_prefetched_copy(device) -> None:
     hidden, weight, target = inputs(device)
     target[0] = VOCAB
-    prefetch_targets(target, -100, VOCAB)
+    prefetched = prefetch_targets(target, -100, VOCAB)
     with pytest.raises(UsageError, match="outside the vocabulary"):
-        fused_linear_cross_entropy(hidden, weight, target, chunk_size=CHUNK)
+        fused_linear_cross_entropy(hidden, weight, target, chunk_size=CHUNK, prefetched=prefetched)
 
 
-def test_entries_leave_with_their_tensor(device) -> None:
-    target = inputs(device)[2]
-    prefetch_targets(target, -100, VOCAB)
-    key = id(target)
-    assert key in flce_module._PREFETCHED
-    del target
-    assert key not in flce_module._PREFETCHED
+def test_a_copy_of_another_tensor_is_not_used(copies, device) -> None:
+    """The copy belongs to the tensor it was made from: an equal tensor is copied again."""
+    hidden, weight, target = inputs(device)
+    prefetched = prefetch_targets(target.clone(), -100, VOCAB)
+    loss_and_grads(hidden, weight, target, prefetched=prefetched)
+    assert len(copies) == 2

@@ -232,6 +232,7 @@ class Block(torch.nn.Module):
         return self.down(mlp) + x
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_block(device, tmp_path, monkeypatch):
     # A fresh inductor cache: its AOTAutograd entries are keyed on the forward graph, not on
     # the custom ops' registered backward, so an entry compiled before a kernel change is stale.

@@ -12,6 +12,7 @@ from memplan.estimators.kernel_contracts import (
     flce_transient_bytes,
 )
 from memplan.kernels.cross_entropy import (
+    LossOptions,
     cross_entropy,
     launch_cross_entropy_forward,
     reference_cross_entropy,
@@ -126,13 +127,13 @@ def test_cross_entropy_in_place_loss_reads_the_target_logit_first(vocab):
     target = random_targets(n_rows, vocab, 300)
     expected, loss = torch.empty(n_rows, device="cuda"), torch.empty(n_rows, device="cuda")
     scale = torch.ones(1, device="cuda")
-    options = {"ignore_index": -100, "label_smoothing": 0.0, "softcap": 0.0, "z_loss_scale": 0.0}
-    launch_cross_entropy_forward(logits, None, target, expected, None, None, scale, **options)
+    options = LossOptions()
+    launch_cross_entropy_forward(logits, None, target, expected, None, None, scale, options)
     buffer = torch.empty_like(logits)
     wrong_rows = 0
     for _ in range(repeats):
         buffer.copy_(logits)
-        launch_cross_entropy_forward(buffer, buffer, target, loss, None, None, scale, **options)
+        launch_cross_entropy_forward(buffer, buffer, target, loss, None, None, scale, options)
         wrong_rows += ((loss - expected).abs() > 1e-4).sum().item()
     assert wrong_rows == 0
 

@@ -179,7 +179,7 @@ def test_paired_partials_are_exact_and_deterministic(device, n_rows):
     """More backward programs than SMs: pairs of programs add into one zeroed partial row (odd
     program counts leave the last row single). dW matches the reference and repeats bit for
     bit."""
-    from memplan.kernels._partials import partial_layout
+    from memplan.kernels._norm_weight_grad import partial_layout
     from memplan.kernels._utils import norm_backward_config, num_sms
 
     n_programs = norm_backward_config(n_rows, 1024, torch.device(device), "rms_norm").n_programs

@@ -202,7 +202,9 @@ def test_bad_shapes_raise_usage_errors():
         rope(q, k, torch.randn(1, 3, 8), torch.randn(1, 3, 8), unsqueeze_dim=3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_in_place_matches_hf_and_allocates_nothing(device, dtype, unsqueeze_dim):
     """in_place=True: the outputs are q and k themselves, values and gradients as HF's."""
@@ -233,3 +235,21 @@ def test_in_place_matches_hf_and_allocates_nothing(device, dtype, unsqueeze_dim)
     (ref_q.sum() + ref_k.sum()).backward()
     assert rel(q_leaf.grad, q_ref.grad) <= TOL[dtype]
     assert rel(k_leaf.grad, k_ref.grad) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("shared", ["batch", "seq"])
+def test_in_place_rope_over_expanded_q(device, shared):
+    """An expanded q (one batch row or one position for all) was rotated once per position,
+    each rotation reading another's output, and the caller's tensor changed."""
+    batch, heads, seq, head_dim = 2, 2, 4, 8
+    shape = (1, heads, seq, head_dim) if shared == "batch" else (batch, heads, 1, head_dim)
+    base = torch.randn(shape, device=device)
+    kept = base.clone()
+    q = base.expand(batch, heads, seq, head_dim)
+    k = torch.randn(batch, heads, seq, head_dim, device=device)
+    angle = torch.randn(batch, seq, head_dim // 2, device=device).repeat(1, 1, 2)
+    cos, sin = angle.cos(), angle.sin()
+    ref_q, ref_k = reference_rope(q, k, cos, sin)
+    out_q, out_k = rope(q, k.clone(), cos, sin, in_place=True)
+    assert rel(out_q, ref_q) <= 1e-6 and rel(out_k, ref_k) <= 1e-6
+    assert torch.equal(base, kept)

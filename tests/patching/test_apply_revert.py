@@ -40,7 +40,10 @@ def step_outputs(model: nn.Module) -> list[torch.Tensor]:
     return [loss.detach(), logits, *grads]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "mixtral"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma2", "phi3", "mixtral"))],
+)
 def test_revert_restores_bit_identical_outputs(family):
     model = build(family)
     before = step_outputs(model)
@@ -340,3 +343,49 @@ def test_a_plan_with_both_flce_settings_is_refused_and_model_unchanged():
     assert instance_forwards(model) == {} and mp.applied_patch(model) is None
     with pytest.raises(ValueError, match="greater than 0"):
         Plan(kernels=("flce",), flce_chunk=-5)
+
+
+@pytest.mark.parametrize(
+    ("target_modules", "expected"),
+    [
+        (r".*\.(q_proj|v_proj)", ("q_proj", "v_proj")),
+        (
+            "all-linear",
+            ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        ),
+        (["v_proj", "down_proj", "lm_head"], ("v_proj", "down_proj")),
+    ],
+)
+def test_auto_plan_reads_lora_targets_off_the_adapted_modules(target_modules, expected):
+    """peft's target_modules may be a regex or "all-linear" (which peft expands to qualified
+    names), and may include lm_head, which the estimator does not model: the advisor was given
+    the regex's characters or the qualified names and refused every one as a target."""
+    from peft import LoraConfig, get_peft_model
+
+    from memplan.advisor import advise
+    from memplan.catalog import spec_from_config
+
+    model = get_peft_model(build("llama"), LoraConfig(r=4, target_modules=target_modules))
+    applied = mp.apply(model, batch=2, seq=12, gpu="h100")
+    spec = spec_from_config(model.get_base_model().config.to_dict(), "llama")
+    options = dict(gpu="h100", precision="fp32", attn="eager", lora_rank=4)
+    assert applied.plan == advise(spec, 2, 12, lora_targets=expected, **options).plan
+
+
+def test_applying_the_same_kernels_under_another_plan_reports_that_plan():
+    """apply returned the first AppliedPatch when the kernels and chunk were the same: its plan,
+    what it advises (checkpointing, gradient accumulation) and predicted peak, were stale."""
+    model = build("llama")
+    first = mp.apply(model, batch=2, seq=12, gpu="h100")
+    setup = {"grad_checkpointing": True, "grad_accum": 4}
+    second = mp.apply(model, batch=2, seq=12, gpu="h100", setup=setup)
+    assert second.kernels == first.kernels and second.flce_chunk == first.flce_chunk
+    assert second.plan != first.plan
+    assert (second.plan.grad_checkpointing, second.plan.grad_accum) == (True, 4)
+    assert "checkpointing on" in str(second) and mp.applied_patch(model) is second
+    assert mp.apply(model, batch=2, seq=12, gpu="h100", setup=setup) is second
+
+    plan = Plan(kernels=("rms_norm", "geglu"))
+    assert mp.apply(model, plan).skipped.keys() == {"geglu"}
+    explicit = mp.apply(model, kernels=["rms_norm"])
+    assert explicit.plan is None and explicit.skipped == {}

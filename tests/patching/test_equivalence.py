@@ -1,5 +1,6 @@
 """Patched and unpatched models of every family train the same: the loss at every AdamW step,
-every parameter gradient, then the final parameters (fp32 tight, bf16 loose)."""
+every parameter gradient, then the final parameters (fp32 tight, bf16 loose); and they return
+what HF returns (eval logits, the tuple output's slots)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def test_training_matches_hf_bf16(family):
     assert rel_err(losses[1], losses[0]) <= 1e-2
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
+@pytest.mark.parametrize(
+    "family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma2", "phi3"))]
+)
 def test_eval_and_no_labels_return_logits_as_hf(family):
     reference, patched = pair(family)
     mp.apply(patched)
@@ -88,3 +91,27 @@ def test_training_with_labels_returns_loss_without_logits():
     out = patched(**batch())
     assert out.logits is None
     assert out.loss.requires_grad and out.loss.dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_tuple_output_keeps_the_cache_slot_hf_fills_in_training(family):
+    """In training HF builds a cache (config.use_cache) and its tuple holds it before the
+    hidden states; memplan turns that cache off, which moved the hidden states one slot left
+    (out[3] was an IndexError or the attentions). Under gradient checkpointing HF has no cache
+    either, and the slots agree without it."""
+    reference, patched = pair(family)
+    mp.apply(patched)
+    for checkpointing in (False, True):
+        if checkpointing:
+            for model in (reference, patched):
+                model.gradient_checkpointing_enable()
+        kwargs = dict(batch(), return_dict=False, output_hidden_states=True)
+        ref, out = reference(**kwargs), patched(**kwargs)
+        assert len(out) == len(ref)
+        for mine, theirs in zip(out, ref):
+            if mine is None:  # the logits and the cache memplan does not build
+                assert isinstance(theirs, torch.Tensor) or hasattr(theirs, "get_seq_length")
+            elif isinstance(theirs, tuple):  # hidden states, router logits
+                assert all(rel_err(a, b) <= 1e-5 for a, b in zip(mine, theirs))
+            else:
+                assert rel_err(mine, theirs) <= 1e-5

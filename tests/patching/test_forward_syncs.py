@@ -17,9 +17,9 @@ import transformers.masking_utils as masking_utils
 
 import memplan.kernels.fused_linear_cross_entropy as flce_module
 import memplan.patching as mp
-from memplan.patching.cache import StatelessCache
+from memplan.patching.stateless_cache import StatelessCache
 
-from .tiny_models import assert_grads_close, pair, rel_err
+from .tiny_models import FAMILIES, assert_grads_close, pair, rel_err
 
 
 @pytest.fixture
@@ -50,6 +50,15 @@ def compare(reference, patched, inputs: dict, tol: float = 1e-5) -> None:
     out_pat.loss.backward()
     assert rel_err(out_pat.loss, out_ref.loss) <= tol
     assert_grads_close(reference, patched, tol)
+
+
+@pytest.fixture(
+    params=["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES if f != "llama")]
+)
+def family(request) -> str:
+    """The families here: what transformers does is the same for all of them; llama by
+    default, the rest under `-m slow`."""
+    return request.param
 
 
 def test_no_mask_no_positions_skips_the_check_and_matches_hf(family, packed_checks) -> None:
@@ -84,7 +93,8 @@ def test_mask_or_cache_requests_keep_transformers_path(monkeypatch) -> None:
     base_forward = patched.model.forward
 
     def recording(*args, **kwargs):
-        seen.append(kwargs.get("past_key_values"))
+        # transformers 5.2x names it cache
+        seen.append(kwargs.get("past_key_values", kwargs.get("cache")))
         return base_forward(*args, **kwargs)
 
     monkeypatch.setattr(patched.model, "forward", recording)

@@ -1,5 +1,6 @@
 """memplan with the rest of the stack: PEFT LoRA, the HF Trainer callback, the Auto class,
-accelerate.prepare, and the specs against the installed transformers."""
+accelerate.prepare, nn.DataParallel's replicas, and the specs against the installed
+transformers."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import inspect
 
 import pytest
 import torch
+from torch import nn
 
 import memplan.patching as mp
 from memplan.errors import MemplanError, UsageError
 from memplan.patching.specs import SPECS
 
-from .tiny_models import assert_grads_close, batch, build, lockstep, rel_err, tiny_config
+from .tiny_models import assert_grads_close, batch, build, lockstep, pair, rel_err, tiny_config
 
 
 @pytest.mark.parametrize(
@@ -118,6 +120,7 @@ def test_trainer_callback_patches_the_model_the_trainer_trains(tmp_path):
     assert losses_pat == pytest.approx(losses_ref, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_trainer_callback_keeps_the_trainers_autocast(tmp_path):
     """bf16=True over fp32 weights: the patch is in place before accelerate.prepare wraps the
     forward in autocast, so the projections still run in bf16."""
@@ -307,3 +310,55 @@ def test_trainer_callback_does_not_warn_under_accelerates_wrapper(tmp_path, recw
     callback = mp.MemplanTrainerCallback(kernels=["rms_norm", "flce"])
     _train_with_trainer(build("llama"), tmp_path, [callback], bf16=True)
     assert not [w for w in recwarn if "memplan" in str(w.message)]
+
+
+def data_parallel_replica(network: nn.Module, scale: float) -> nn.Module:
+    """The replica torch.nn.parallel.replicate builds for another device (it needs CUDA; these
+    are the same module copies on the CPU): every module copied by `_replicate_for_data_parallel`,
+    children re-linked, each parameter replaced by a non-leaf copy (as Broadcast gives), here
+    scaled by `scale` so that running the original's parameters shows."""
+    modules = list(network.modules())
+    copies = [m._replicate_for_data_parallel() for m in modules]
+    index = {id(m): i for i, m in enumerate(modules)}
+    for module, replica in zip(modules, copies):
+        for key, child in module._modules.items():
+            setattr(replica, key, None if child is None else copies[index[id(child)]])
+        for key, param in module._parameters.items():
+            setattr(replica, key, None if param is None else param * scale)
+    return copies[0]
+
+
+def test_data_parallel_replica_runs_its_own_parameters():
+    """The Trainer wraps the model in nn.DataParallel when it sees several GPUs. A replica's
+    instance forward, copied with its __dict__, stayed bound to the original module: replicas
+    ran the original's parameters (on the first GPU) and their own got no gradient."""
+    reference, patched = pair("llama")
+    mp.apply(patched)
+    losses = []
+    for model in (reference, patched):
+        loss = data_parallel_replica(model, scale=1.25)(**batch()).loss
+        loss.backward()
+        losses.append(loss)
+    assert rel_err(losses[1], losses[0]) <= 1e-5
+    named = dict(patched.named_parameters())
+    for name, param in reference.named_parameters():
+        assert rel_err(named[name].grad, param.grad) <= 1e-5, name
+    assert mp.revert(patched)
+    assert not [m for m in patched.modules() if "_replicate_for_data_parallel" in vars(m)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs two GPUs")
+def test_data_parallel_on_two_gpus_trains_like_hf():
+    reference, patched = pair("llama")
+    mp.apply(patched)
+    losses = []
+    for model in (reference, patched):
+        inputs = {k: v.cuda() for k, v in batch().items()}
+        loss = nn.DataParallel(model.cuda(), device_ids=[0, 1])(**inputs).loss
+        loss.sum().backward()
+        losses.append(loss)
+    assert losses[1].shape == (2,) and rel_err(losses[1], losses[0]) <= 1e-5
+    named = dict(patched.named_parameters())
+    for name, param in reference.named_parameters():
+        assert rel_err(named[name].grad, param.grad) <= 1e-5, name

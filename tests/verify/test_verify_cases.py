@@ -10,9 +10,9 @@ import memplan
 from memplan.errors import MemplanError, UsageError
 from memplan.schema import GIB, MemoryEvent, Plan, TrainSetup, VerifyCase
 from memplan.verify import predict, runner
+from memplan.verify.allocator_trace import downsample, events_from_trace, marker_sizes
 from memplan.verify.cases import parse_kernels, parse_sweeps, plan_cases
 from memplan.verify.protocol import case_name
-from memplan.verify.timeline import downsample, events_from_trace, marker_sizes
 
 from .fakes import TINY_LLAMA, FakeLauncher, estimate, ok_result
 

@@ -11,7 +11,7 @@ import torch
 
 from memplan.schema import GIB, TrainSetup, VerifyCase
 from memplan.verify import protocol, worker
-from memplan.verify.timeline import marker_sizes
+from memplan.verify.allocator_trace import marker_sizes
 
 from .fakes import TINY_LLAMA, FakeCudaMemory
 

@@ -2,11 +2,10 @@
 
 transformers (5.x) looks for packed sequences in the position ids whenever a forward gets no
 attention mask and no cache: `find_packed_sequence_indices` ends in `bool(tensor.all())`, a host
-synchronization at the start of every step. The GPU then drains its queue and waits while the host
-launches the first layer's small kernels: 1.0-1.5 ms per step of llama-3.2-1b and llama-3-8b-l4
-training on an H200 (benchmarks/probe_gaps.py). With a cache the check is skipped, but
+synchronization at the start of every step, after which the GPU idles while the host launches the
+first layer's small kernels (docs/patching.md). With a cache the check is skipped, but
 transformers' own DynamicCache copies every layer's keys and values (torch.cat onto an empty
-tensor; 1.9 ms per llama-3.2-1b step in Liger-Kernel's run, which keeps use_cache on).
+tensor).
 
 This cache answers the mask's questions as an empty DynamicCache does (no tokens seen: key length
 = query length, offset 0, the config's sliding layers) and hands keys and values back untouched
@@ -37,6 +36,7 @@ def skips_packed_check(kwargs: dict[str, Any], base_model: Any) -> bool:
         kwargs.get("position_ids") is None
         and kwargs.get("attention_mask") is None
         and kwargs.get("past_key_values") is None
+        and kwargs.get("cache") is None
         and kwargs.get("cache_position") is None
         and not kwargs.get("use_cache")
         and not getattr(base_model, "gradient_checkpointing", False)

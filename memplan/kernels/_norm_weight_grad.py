@@ -59,10 +59,8 @@ def _sum_partials_kernel(
     tl.store(out, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-# (ROWS, BLOCK) tile of the column sums: narrow column blocks so that even hidden 1K gets 32
-# programs (the rows, 1-2 x SMs of them, are few). Measured on H200 (bench_kernels.py --tune,
-# us for 264 x 1K / 2K / 4K and 132 x 16K): 8.3 / 16.2 / 10.0 / 7.9, against 44-45 / 26 with
-# (8, 256) and 15-30 / 12 with (32, 64).
+# (ROWS, BLOCK) tile of the column sums: narrow column blocks, so that even hidden 1K gets 32
+# programs (the partial rows, 1-2 x SMs of them, are few); chosen by `bench_kernels.py --tune`.
 SUM_TILE = (32, 32)
 
 
