@@ -465,7 +465,8 @@ def advise(
         compared.append(plan_row)
     fit = fits(result)
     assert result.reserved is not None
-    if not setup.expandable_segments and result.peak_bytes > EDGE_SHARE * gpu_spec.capacity:
+    near = EDGE_SHARE * gpu_spec.capacity < result.peak_bytes <= gpu_spec.capacity
+    if near and not setup.expandable_segments:
         warnings.append(EDGE_WARNING)
     return Advice(
         model=spec.name or spec.model_type,

@@ -313,10 +313,14 @@ def legend_lines(advice: Advice, verbose: bool = False) -> list[tuple[str, str]]
     if "transient" in advice.estimate.breakdown:
         terms.append(("transient", "the temporaries of the op running at the peak"))
     terms.append(
+        ("allocated", "what torch.cuda.max_memory_allocated() reports: the tensors alive")
+    )
+    terms.append(
         (
-            "allocated",
-            "what torch.cuda.max_memory_allocated() reports; the allocator reserves somewhat "
-            "more, hence the margin",
+            "reserved",
+            "torch.cuda.max_memory_reserved(): the segments PyTorch's caching allocator holds, "
+            "allocated or cached; the step fits when, replayed through a model of that "
+            "allocator, it never needs more than the GPU can give",
         )
     )
     return terms
