@@ -16,10 +16,11 @@ from memplan.schema import TrainSetup
 
 def test_the_first_line_is_the_verdict_with_the_gpu_assumed() -> None:
     advice = advise("gemma-7b", 8, 4096)
-    lines = advice_text(advice).splitlines()
-    assert lines[0] == (
-        "gemma-7b, batch 8 x seq 4096 on H100 80GB SXM (the default GPU): does not fit, "
-        f"{-advice.headroom_bytes / 2**30:,.2f} GiB over."
+    text = " ".join(advice_text(advice, width=300).splitlines()[:1])
+    oom = advice.estimate.reserved
+    assert text == (
+        "gemma-7b, batch 8 x seq 4096 on H100 80GB SXM (the default GPU): does not fit, out of "
+        f"memory ({oom.oom_phase}, {oom.oom_label})."
     )
     fits = advise("llama-3.2-1b", 2, 1024, gpu="a100-40gb")
     first = advice_text(fits).splitlines()[0]
