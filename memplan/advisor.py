@@ -27,6 +27,7 @@ from memplan.estimators.params import (
     check_lora_targets,
     default_lora_targets,
 )
+from memplan.estimators.releases import as_run_by, release_tuple
 from memplan.limits import MAX_BATCH, check_lora_rank, check_setup, check_spec, largest_lora_rank
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
@@ -42,6 +43,7 @@ from memplan.schema import (
     TrainSetup,
     make_setup,
 )
+from memplan.versions import installed_versions
 
 # largest_batch stops its search here (about a million sequences); render says "at least".
 MAX_BATCH_SEARCHED = MAX_BATCH
@@ -331,6 +333,7 @@ def advise(
     expandable_segments: bool = False,
     safety_margin: str | int | None = None,
     method: str | None = None,
+    transformers: str | None = None,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on.
 
@@ -342,8 +345,10 @@ def advise(
     safety_margin: bytes (or a size such as "2GiB", or a share such as "5%" of the capacity)
     kept free of the allocator's capacity. `method`: None picks the analytic contracts for
     registry families and the traced estimate (memplan.traced) for any other model_type;
-    "analytic" or "traced" forces one. Sizes past memplan.limits' bounds are errors that say the
-    bound and why."""
+    "analytic" or "traced" forces one. `transformers`: the release that will run the step (None:
+    the installed one); where it changed what a step holds (memplan.estimators.releases), the
+    prediction follows it. Sizes past memplan.limits' bounds are errors that say the bound and
+    why."""
     if method not in (None, "analytic", "traced"):
         raise option_error("{} must be analytic or traced, got {value!r}", "method", value=method)
     check_setup(
@@ -370,7 +375,17 @@ def advise(
     unknown = not isinstance(model, ModelSpec) and config.get("model_type") not in (
         SUPPORTED_MODEL_TYPES
     )
+    installed = installed_versions()["transformers"]
+    release = _checked_release(transformers) or installed
     if method == "traced" or (method is None and unknown):
+        if transformers is not None and release != installed:
+            raise option_error(
+                "{} {value} is not the installed release ({installed}): the traced estimate "
+                "runs the installed transformers' code",
+                "transformers",
+                value=transformers,
+                installed=installed,
+            )
         return _traced_advice(
             config,
             name or str(config.get("model_type")),
@@ -417,6 +432,12 @@ def advise(
         expandable_segments=expandable_segments,
     )
     warnings = []
+    base, asked = as_run_by(spec.model_type, base, release), base
+    if base.attn != asked.attn:
+        warnings.append(
+            f"transformers {release} refuses SDPA for {spec.model_type} and builds it with eager "
+            "attention: predicted with eager"
+        )
     entry = substituted_entry(model) if isinstance(model, str) else None
     if entry is not None:
         warnings.append(
@@ -487,6 +508,20 @@ def advise(
         max_seq=max_seq,
         warnings=warnings,
     )
+
+
+def _checked_release(transformers: str | None) -> str | None:
+    """A transformers release as given ('5.24.0'), or None; anything else is a usage error."""
+    if transformers is None:
+        return None
+    try:
+        return ".".join(map(str, release_tuple(str(transformers))))
+    except ValueError:
+        raise option_error(
+            "{} must be a transformers release such as 5.17.0, got {value!r}",
+            "transformers",
+            value=transformers,
+        ) from None
 
 
 def _traced_reason(config: dict, *, forced: bool) -> str:

@@ -104,6 +104,11 @@ def cli() -> None:
     "transformers code on meta tensors (torch + transformers, seconds); auto: analytic for "
     "registry families, traced otherwise",
 )
+@click.option(
+    "--transformers",
+    help="the transformers release that will run the step, e.g. 5.24.0 (default: the "
+    "installed one); the prediction follows what changed between releases",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 @click.option(
     "--verbose", "-v", is_flag=True, help="add the breakdown, kernel and suggestion tables"
@@ -141,6 +146,7 @@ def advise(**opts: Any) -> None:
         expandable_segments=parse_alloc_conf(conf),
         safety_margin=opts["safety_margin"],
         method=None if opts["method"] == "auto" else opts["method"],
+        transformers=opts["transformers"],
     )
     from memplan.versions import warn_if_unvalidated
 

@@ -312,9 +312,7 @@ def legend_lines(advice: Advice, verbose: bool = False) -> list[tuple[str, str]]
         )
     if "transient" in advice.estimate.breakdown:
         terms.append(("transient", "the temporaries of the op running at the peak"))
-    terms.append(
-        ("allocated", "what torch.cuda.max_memory_allocated() reports: the tensors alive")
-    )
+    terms.append(("allocated", "what torch.cuda.max_memory_allocated() reports: the tensors alive"))
     terms.append(
         (
             "reserved",

@@ -135,6 +135,9 @@ class TrainSetup(BaseModel):
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator grows one mapped
     # segment per pool instead of reserving a segment per large allocation.
     expandable_segments: bool = False
+    # The transformers release whose code runs the step (memplan.estimators.releases: what
+    # changed between releases); None: the release the contracts were read off.
+    transformers: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+)?")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSetup:
@@ -168,6 +171,7 @@ SETUP_OPTIONS = (
     "lora_targets",
     "grad_accum",
     "expandable_segments",
+    "transformers",
 )
 
 

@@ -14,7 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from memplan.catalog import spec_from_config
 from memplan.estimators.timeline import forward_saved
 from memplan.schema import TrainSetup
+from memplan.versions import installed_versions
 
+# The live forwards run the installed transformers; the H200 probe ran the contracts' release.
+INSTALLED = installed_versions()["transformers"]
 PROBE = json.loads((Path(__file__).parent / "data" / "saved_cuda_probe.json").read_text())
 CASES = sorted(PROBE["saved"])
 
@@ -24,9 +27,17 @@ def probe_config(model_type: str) -> dict:
     return AutoConfig.for_model(model_type, **overrides).to_dict()
 
 
-def predicted(model_type: str, precision: str, attn: str, backend: str) -> int:
+def predicted(
+    model_type: str, precision: str, attn: str, backend: str, transformers: str | None = None
+) -> int:
     spec = spec_from_config(probe_config(model_type))
-    setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], precision=precision, attn=attn)
+    setup = TrainSetup(
+        batch=PROBE["batch"],
+        seq=PROBE["seq"],
+        precision=precision,
+        attn=attn,
+        transformers=transformers,
+    )
     return forward_saved(spec, setup, backend=backend, rounded=False).total
 
 
@@ -71,7 +82,7 @@ def test_matches_autograd_on_cpu(case: str, saved_storage_bytes) -> None:
     if precision.startswith("amp"):
         pytest.skip("CPU autocast casts other ops than CUDA autocast; checked against the probe")
     measured = saved_bytes_live(saved_storage_bytes, model_type, precision, attn)
-    assert predicted(model_type, precision, attn, "cpu") == measured
+    assert predicted(model_type, precision, attn, "cpu", INSTALLED) == measured
 
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -121,6 +132,7 @@ def test_lora_matches_autograd_on_cpu(
         attn=attn,
         lora_rank=16,
         lora_targets=targets,
+        transformers=INSTALLED,
     )
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured
 
@@ -171,6 +183,7 @@ def test_patched_model_matches_autograd_on_cpu(
         precision=precision,
         attn=attn,
         kernels=kernels,
+        transformers=INSTALLED,
         **lora,
     )
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured
@@ -257,7 +270,8 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
     ],
 )
 def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> None:
-    """transformers builds a KV cache in training (k after RoPE in the residual dtype, v in k's),
+    """transformers builds a KV cache in training (k after RoPE in the residual dtype, v in k's
+    before transformers 5.24, in its own after),
     held by the output until forward returns; not with checkpointing, nor under memplan's
     causal-LM forward. The estimator's cache bytes equal the cache the model returns."""
     import memplan
@@ -267,7 +281,13 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
-    setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], precision=precision, **setup_options)
+    setup = TrainSetup(
+        batch=PROBE["batch"],
+        seq=PROBE["seq"],
+        precision=precision,
+        transformers=INSTALLED,
+        **setup_options,
+    )
     if setup.grad_checkpointing:
         model.gradient_checkpointing_enable()
     if setup.kernels:
@@ -322,7 +342,7 @@ def test_checkpointed_lora_keeps_the_embedding_leaf_until_the_next_forward() -> 
 
     setup = TrainSetup(
         batch=PROBE["batch"], seq=PROBE["seq"], grad_checkpointing=True, lora_rank=16,
-        lora_targets=("q_proj",),
+        lora_targets=("q_proj",), transformers=INSTALLED,
     )  # fmt: skip
     spec = spec_from_config(probe_config("llama"))
     (_, walk), _ = walk_run(spec, setup, step_sizes(spec, setup, None, "cpu"))
@@ -358,6 +378,9 @@ def test_one_kv_head_matches_autograd_on_cpu(model_type, precision, attn, saved_
             raise
         pytest.skip(f"this transformers builds {model_type} without {attn}")
     measured = saved_bytes_of(saved_storage_bytes, model.train(), cfg.vocab_size, autocast=False)
-    setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], precision=precision, attn=attn)
+    setup = TrainSetup(
+        batch=PROBE["batch"], seq=PROBE["seq"], precision=precision, attn=attn,
+        transformers=INSTALLED,
+    )  # fmt: skip
     spec = spec_from_config(cfg.to_dict())
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.params import LORA_TARGET_SHAPES, lora_targets_modelled
+from memplan.estimators.releases import Release
 from memplan.schema import GLU_KERNEL_BY_ACTIVATION, ModelSpec, TrainSetup
 
 FP32 = 4
@@ -285,16 +286,18 @@ def moe_saved(ctx: LayerContext, out: Saved) -> None:
     normalized = spec.hf_config.get("norm_topk_prob", spec.model_type == "mixtral")
     out.add_each("moe.router", FP32 * e, INT64 * k, *((FP32, FP32 * k) if normalized else ()))
     # Each routed row keeps its routing weight (for the product that applies it): fp32 from
-    # Mixtral's router softmax; qwen3_moe's router casts it to the router logits' dtype. And one
-    # bool, the mask of expert-parallel sentinel rows that masked_fill keeps, on every backend.
+    # Mixtral's router softmax; qwen3_moe's router casts it to the router logits' dtype. Before
+    # transformers 5.18, also one bool, the mask of expert-parallel sentinel rows that
+    # masked_fill keeps, on every backend.
     routing_weight = FP32 if spec.model_type == "mixtral" else ctx.dtypes.proj
     # Per routed row: the gathered input (twice when the expert matmuls keep it for their
     # weight's gradient), gate, up, act(gate) and the product (each moe_intermediate wide),
-    # three index rows, the routing weight and the mask bool; frozen expert matmuls keep
-    # neither input.
+    # three index rows, the routing weight and, before transformers 5.18, the mask bool; frozen
+    # expert matmuls keep neither input.
     inputs = [p * h] * (2 if ctx.trainable_base else 1)
     intermediates = [p * inter] * (4 if ctx.trainable_base else 3)
-    routed_row = [*inputs, *intermediates, INT64, INT64, INT64, routing_weight, 1]
+    mask = [1] if Release.of(ctx.setup.transformers).moe_sentinel_mask else []
+    routed_row = [*inputs, *intermediates, INT64, INT64, INT64, routing_weight, *mask]
     out.add_each("moe.experts", *(k * n for n in routed_row))
     out.add("moe.experts", constant=4 * e)
 

@@ -35,6 +35,7 @@ from memplan.estimators.params import (
     lora_shapes,
     lora_targets_modelled,
 )
+from memplan.estimators.releases import Release
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     Gpu,
@@ -327,7 +328,7 @@ class StepSizes:
     grad_hidden: int
     lm_head_grad: int
     layer_fwd_transient: list[int]
-    kv_cache_per_layer: int
+    kv_cache: tuple[int, int]  # one layer's keys and values
     autocast_cache: int
     mlp_bwd_transient: list[int]
     attention_bwd_transient: list[int]
@@ -410,11 +411,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         )
         if dtypes.autocast
         else 0,
-        # k after HF's RoPE takes the dtype of cos/sin, the residual's (fp32 under autocast;
-        # memplan's RoPE keeps k's); the cache's v follows k (transformers 5 lazy-initializes
-        # both from the keys' dtype).
-        kv_cache_per_layer=2
-        * round_block(tokens * kv * hd * (p if "rope" in setup.kernels else dtypes.residual)),
+        kv_cache=kv_cache_tensors(spec, setup, dtypes),
         # MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
         # (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
         # d(product) when the projections are separate).
@@ -433,6 +430,17 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         if autocast_copies
         else [],
     )
+
+
+def kv_cache_tensors(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
+    """The bytes of one layer's KV cache entries, keys then values. k after HF's RoPE takes the
+    dtype of cos/sin, the residual's (fp32 under autocast; memplan's RoPE keeps k's); the values
+    take the keys' dtype before transformers 5.24 (the cache was made from the keys' dtype),
+    their own (the projection's) after."""
+    elements = setup.batch * setup.seq * spec.num_key_value_heads * spec.head_dim
+    key = dtypes.proj if "rope" in setup.kernels else dtypes.residual
+    value = key if Release.of(setup.transformers).kv_values_in_key_dtype else dtypes.proj
+    return round_block(elements * key), round_block(elements * value)
 
 
 def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -579,14 +587,14 @@ def walk_step(
     # transformers builds a KV cache in training too, unless checkpointing turns it off or
     # memplan's causal-LM forward (patched with a loss kernel) does: a copy of every layer's k
     # and v, held by the model output until forward returns.
-    cache_per_layer = sizes.kv_cache_per_layer if hf_loss and not ckpt and spec.use_cache else 0
+    cache_layer = sizes.kv_cache if hf_loss and not ckpt and spec.use_cache else ()
     forward_kept = builder.alloc_all("activations", (saved.shared, saved.embedding))
     kv_cache: list[int] = []
     layer_kept: list[tuple[list[int], list[int]]] = []  # saved before and after attention
     for index, (before, after) in enumerate(saved.layer_entries):
         entries = before + after
         recomputed_later = entries if ckpt else []
-        kv_cache += builder.alloc_all("kv_cache", (cache_per_layer // 2, cache_per_layer // 2))
+        kv_cache += builder.alloc_all("kv_cache", cache_layer)
         builder.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
         if ckpt:
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))

@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.estimators import estimate
+from memplan.estimators.releases import as_run_by
 from memplan.schema import Gpu, MemoryEstimate, ModelSpec, TimelinePoint, TrainSetup
 from memplan.traced import TracedEstimate, trace_config
+from memplan.versions import installed_versions
 
 # Phases compared, as the two timelines name them.
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -46,6 +48,9 @@ class Comparison:
 
 
 def compare(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None = None) -> Comparison:
+    """Both estimates of the step as the installed transformers runs it (its release's
+    behaviours for the contracts; eager attention where it refuses SDPA)."""
+    setup = as_run_by(spec.model_type, setup, installed_versions()["transformers"])
     analytic = estimate(spec, setup, gpu)
     traced = trace_config(spec.hf_config, setup, gpu, name=spec.name)
     est = traced.estimate

@@ -1,0 +1,84 @@
+"""What transformers releases changed in a step's memory (memplan.estimators.releases): each
+change moves the prediction by exactly its tensors, on the release it names and after. The live
+contract tests (test_estimator_contracts.py) check the installed release against autograd."""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.advisor import advise
+from memplan.catalog import resolve_model
+from memplan.errors import UsageError
+from memplan.estimators.contracts import DtypePlan
+from memplan.estimators.releases import Release, as_run_by, release_tuple
+from memplan.estimators.timeline import forward_saved, kv_cache_tensors
+from memplan.schema import TrainSetup
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("5.17.0", (5, 17, 0)),
+        ("5.24", (5, 24, 0)),
+        ("5.25.0.dev0", (5, 25, 0)),
+        ("6.0.1rc1", (6, 0, 1)),
+    ],
+)
+def test_release_tuple(text: str, expected: tuple[int, int, int]) -> None:
+    assert release_tuple(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "five", "v5.17", "5"])
+def test_release_tuple_refuses_what_is_no_release(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a transformers release"):
+        release_tuple(text)
+
+
+def test_no_release_means_the_contracts_release() -> None:
+    assert Release.of(None) == Release.of("5.17.0")
+
+
+def test_moe_sentinel_mask_is_one_byte_per_routed_row_before_5_18() -> None:
+    spec = resolve_model("mixtral-8x7b")
+    setup = TrainSetup(batch=2, seq=512)
+    before = forward_saved(spec, setup.model_copy(update={"transformers": "5.17.0"}), rounded=False)
+    after = forward_saved(spec, setup.model_copy(update={"transformers": "5.18.0"}), rounded=False)
+    routed_rows = setup.batch * setup.seq * spec.num_experts_per_tok
+    assert before.total - after.total == spec.num_hidden_layers * routed_rows
+
+
+@pytest.mark.parametrize(
+    "precision,key_bytes,value_bytes_524", [("amp-bf16", 4, 2), ("bf16", 2, 2)]
+)
+def test_kv_cache_values_take_their_own_dtype_from_5_24(precision, key_bytes, value_bytes_524):
+    spec = resolve_model("llama-3.2-1b")
+    setup = TrainSetup(batch=1, seq=1024, precision=precision)
+    dtypes = DtypePlan.of(precision)
+    elements = setup.batch * setup.seq * spec.num_key_value_heads * spec.head_dim
+    old = kv_cache_tensors(spec, setup.model_copy(update={"transformers": "5.23.0"}), dtypes)
+    new = kv_cache_tensors(spec, setup.model_copy(update={"transformers": "5.24.0"}), dtypes)
+    assert old == (elements * key_bytes, elements * key_bytes)
+    assert new == (elements * key_bytes, elements * value_bytes_524)
+
+
+def test_gemma2_runs_eager_where_the_release_refuses_sdpa() -> None:
+    setup = TrainSetup(batch=1, seq=1024)
+    assert as_run_by("gemma2", setup, "5.20.2").attn == "sdpa"
+    assert as_run_by("gemma2", setup, "5.21.0").attn == "eager"
+    assert as_run_by("llama", setup, "5.24.0").attn == "sdpa"
+    assert as_run_by("gemma2", setup, "5.24.0").transformers == "5.24.0"
+
+
+def test_advise_predicts_what_the_named_release_runs() -> None:
+    old = advise("gemma-2-2b", 1, 2048, kernels="none", transformers="5.20.2")
+    new = advise("gemma-2-2b", 1, 2048, kernels="none", transformers="5.24.0")
+    assert (old.setup.attn, new.setup.attn) == ("sdpa", "eager")
+    assert new.setup.transformers == "5.24.0"
+    assert new.peak_bytes > old.peak_bytes  # eager keeps the scores
+    assert any("refuses SDPA for gemma2" in w for w in new.warnings)
+    assert not any("refuses SDPA" in w for w in old.warnings)
+
+
+def test_advise_refuses_what_is_no_release() -> None:
+    with pytest.raises(UsageError, match="transformers must be a transformers release"):
+        advise("llama-3.2-1b", 1, 2048, transformers="latest")
