@@ -82,3 +82,18 @@ def test_advise_predicts_what_the_named_release_runs() -> None:
 def test_advise_refuses_what_is_no_release() -> None:
     with pytest.raises(UsageError, match="transformers must be a transformers release"):
         advise("llama-3.2-1b", 1, 2048, transformers="latest")
+
+
+def test_a_measurement_is_predicted_for_the_release_it_ran_on() -> None:
+    from memplan.schema import Measurement
+    from memplan.verify.predict import ran_setup
+
+    setup = TrainSetup(batch=1, seq=128)
+    ran = Measurement(case="c", model="m", setup=setup, env={"transformers": "5.24.0+local"})
+    assert ran_setup(ran).transformers == "5.24.0"
+    unrecorded = Measurement(case="c", model="m", setup=setup)
+    assert ran_setup(unrecorded).transformers is None
+    named = Measurement(
+        case="c", model="m", setup=setup.model_copy(update={"transformers": "5.20.0"}), env=ran.env
+    )
+    assert ran_setup(named).transformers == "5.20.0"

@@ -76,6 +76,20 @@ def _catalog_gpu(device_name: str) -> Gpu | None:
         return None
 
 
+def ran_setup(measurement: Measurement) -> TrainSetup:
+    """The measured setup, naming the transformers release the child ran where it did not."""
+    from memplan.estimators.releases import release_tuple
+
+    ran = measurement.env.get("transformers", "")
+    if measurement.setup.transformers is not None:
+        return measurement.setup
+    try:
+        version = ".".join(map(str, release_tuple(ran)))
+    except ValueError:  # not recorded, or not a release
+        return measurement.setup
+    return measurement.setup.model_copy(update={"transformers": version})
+
+
 def attach_prediction(
     measurement: Measurement, spec: ModelSpec | None = None, gpu: Gpu | None = None
 ) -> Measurement:
@@ -88,7 +102,7 @@ def attach_prediction(
     try:
         if spec is None:
             spec = spec_from_hf_config(measurement.hf_config, measurement.model)
-        predicted = predict(spec, measurement.setup, measured_gpu(measurement, gpu))
+        predicted = predict(spec, ran_setup(measurement), measured_gpu(measurement, gpu))
     except Exception as exc:  # the measurement must survive an estimator bug
         text = str(exc).strip().splitlines()
         reason = f"{type(exc).__name__}: {text[0] if text else ''}"
