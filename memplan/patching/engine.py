@@ -322,7 +322,7 @@ def supported_kernels(hf_model: nn.Module) -> tuple[str, ...]:
         glu = GLU_KERNEL_BY_ACTIVATION.get(activation)
         if glu is not None:
             found.add(glu)
-    if type(hf_model).__name__ in spec.causal_lm.classes:
+    if forwards.module_class(hf_model).__name__ in spec.causal_lm.classes:
         found |= {"cross_entropy", "flce"}
     if _token_embedding(hf_model, spec) is not None:
         found.add("embedding")
@@ -334,8 +334,8 @@ def _token_embedding(hf_model: nn.Module, spec: PatchSpec) -> nn.Embedding | Non
     (EmbeddingSpec; not an adapter) with the options the kernel implements."""
     get = getattr(hf_model, "get_input_embeddings", None)
     module = get() if callable(get) else None
-    plain = type(module) is nn.Embedding
-    if not (plain or type(module).__name__ == spec.embedding.scaled_class):
+    plain = forwards.module_class(module) is nn.Embedding
+    if not (plain or forwards.module_class(module).__name__ == spec.embedding.scaled_class):
         return None
     if not plain and not hasattr(module, spec.embedding.scale_attr):
         return None
@@ -492,7 +492,7 @@ def _plan_targets(
     embedding = _token_embedding(hf_model, spec) if "embedding" in chosen else None
     targets: list[_Target] = []
     for name, module in hf_model.named_modules():
-        cls = type(module).__name__
+        cls = forwards.module_class(module).__name__
         try:
             if "rms_norm" in chosen and cls in spec.norm.classes:
                 _require(module, ("weight", spec.norm.eps_attr))
@@ -522,7 +522,11 @@ def _plan_targets(
                 forward = forwards.mlp_forward(spec.mlp, glu_function)
                 targets.append(_Target(name, module, (glu,), forward))
             elif embedding is not None and module is embedding:
-                scale = spec.embedding.scale_attr if type(module) is not nn.Embedding else None
+                scale = (
+                    spec.embedding.scale_attr
+                    if forwards.module_class(module) is not nn.Embedding
+                    else None
+                )
                 forward = forwards.embedding_forward(functions["embedding"], scale)
                 targets.append(_Target(name, module, ("embedding",), forward))
             elif loss_kernels and module is hf_model:
@@ -583,7 +587,11 @@ def _decoder_layer_targets(
         return all(patched_norm(norm) is not None for norm in norms)
 
     # in the order the base model runs them
-    layers = [(n, m) for n, m in hf_model.named_modules() if type(m).__name__ in layer_spec.classes]
+    layers = [
+        (n, m)
+        for n, m in hf_model.named_modules()
+        if forwards.module_class(m).__name__ in layer_spec.classes
+    ]
     base = getattr(hf_model, spec.causal_lm.base_model_attr, None)
     final_norm = patched_norm(getattr(base, layer_spec.final_norm_attr, None))
     norm_module = importlib.import_module(KERNEL_FUNCTIONS["rms_norm"][0])

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from memplan.patching.specs import (
     AttentionSpec,
@@ -226,6 +227,7 @@ def decoder_layer_forward(
             or (self.training and getattr(self, "gradient_checkpointing", False))
             or torch.compiler.is_compiling()
             or next_norm.weight.device != residual.device
+            or isinstance(next_norm.weight, DTensor)  # another FSDP2 group's, still sharded
         ):
             return residual + mlp_out
         hidden_states, next_views = added_normed(next_norm, residual, mlp_out, wiring.next_inputs)
@@ -527,10 +529,21 @@ def _to_tuple(output: Any, cache_slot: str | None) -> tuple[Any, ...]:
     )
 
 
+def module_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2's fully_shard gives a module the subclass
+    FSDP<Name>(FSDPModule, <Name>), which the families' class names do not list."""
+    cls = type(module)
+    for base in cls.__bases__:
+        if cls.__name__ == f"FSDP{base.__name__}":
+            return base
+    return cls
+
+
 def plain_linear(module: nn.Module) -> bool:
-    """An nn.Linear itself, not a subclass or adapter wrapper (PEFT LoRA, modules_to_save):
-    FLCE reads its weight and bias instead of calling it."""
-    return type(module) is nn.Linear
+    """An nn.Linear itself (or FSDP2's subclass of one), not another subclass or an adapter
+    wrapper (PEFT LoRA, modules_to_save): FLCE reads its weight and bias instead of calling
+    it."""
+    return module_class(module) is nn.Linear
 
 
 def _loss(
