@@ -28,12 +28,20 @@ from memplan.estimators.params import (
     default_lora_targets,
 )
 from memplan.estimators.releases import as_run_by, release_tuple
-from memplan.limits import MAX_BATCH, check_lora_rank, check_setup, check_spec, largest_lora_rank
+from memplan.limits import (
+    MAX_BATCH,
+    check_lora_rank,
+    check_parallelism,
+    check_setup,
+    check_spec,
+    largest_lora_rank,
+)
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
     Advice,
     Gpu,
+    GpuCount,
     KernelOption,
     MemoryEstimate,
     ModelSpec,
@@ -334,6 +342,10 @@ def advise(
     safety_margin: str | int | None = None,
     method: str | None = None,
     transformers: str | None = None,
+    gpus: int = 1,
+    strategy: str | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on.
 
@@ -352,8 +364,14 @@ def advise(
     if method not in (None, "analytic", "traced"):
         raise option_error("{} must be analytic or traced, got {value!r}", "method", value=method)
     check_setup(
-        batch=batch, seq=seq, grad_accum=grad_accum, lora_rank=lora_rank, flce_chunk=flce_chunk
+        batch=batch,
+        seq=seq,
+        grad_accum=grad_accum,
+        lora_rank=lora_rank,
+        flce_chunk=flce_chunk,
+        gpus=gpus,
     )
+    check_parallelism(gpus, strategy, reshard_after_forward, cpu_offload)
     if lora_targets is not None and lora_rank is None:
         raise option_error(
             "{} needs {} (without a rank there is no LoRA)", "lora_targets", "lora_rank"
@@ -430,6 +448,10 @@ def advise(
         grad_accum=grad_accum,
         flce_chunk=flce_chunk,
         expandable_segments=expandable_segments,
+        gpus=gpus,
+        strategy=strategy,
+        reshard_after_forward=reshard_after_forward,
+        cpu_offload=cpu_offload,
     )
     warnings = []
     base, asked = as_run_by(spec.model_type, base, release), base
@@ -506,6 +528,7 @@ def advise(
         else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk, judged=result),
         max_batch=max_batch,
         max_seq=max_seq,
+        gpu_counts=[] if fit else gpu_counts(spec, setup, gpu_spec),
         warnings=warnings,
     )
 
@@ -688,6 +711,118 @@ def suggestions(
     if found:
         return found
     return sorted(tried, key=lambda s: s.peak_bytes)[:1]
+
+
+# How each strategy's memory model was checked (docs/distributed.md).
+STRATEGY_CHECKS = {
+    "fsdp2": "checked to the byte against torch's FSDP2 on the CPU; not yet measured on a GPU",
+    "ddp": "checked to the byte against torch's DDP on the CPU; not yet measured on a GPU",
+    "zero1": "from DeepSpeed's code; unmeasured",
+    "zero2": "from DeepSpeed's code; unmeasured",
+    "zero3": "from DeepSpeed's code; unmeasured",
+}
+# The order advise lists them in: the least communication first among those that shard.
+GPU_COUNT_STRATEGIES = ("fsdp2", "zero2", "zero3", "zero1", "ddp")
+
+
+# gpu_counts searches up to this many GPUs (what a fine-tuning run would take at most).
+GPU_COUNT_CEILING = 1024
+
+
+def gpu_counts(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> list[GpuCount]:
+    """For each strategy, the fewest GPUs of this kind (up to GPU_COUNT_CEILING) whose rank 0
+    runs the step: with each rank running the setup's micro-batch; where no count does, with
+    gradient checkpointing; then also with a micro-batch of 1 and the sequences as
+    accumulation steps. Rank 0's allocated peak falls as the ranks grow until only what no
+    strategy shards is left (activations, logits, a gathered layer): the count is bisected on
+    allocated peaks, then confirmed by the allocator replay, a few counts upward while
+    fragmentation decides."""
+    from memplan.accelerate_config import accelerate_config
+
+    variants = [("", {})]
+    if not setup.grad_checkpointing:
+        variants.append(("with gradient checkpointing", {"grad_checkpointing": True}))
+    if setup.batch > 1:
+        sequences = setup.batch * setup.grad_accum
+        variants.append(
+            (
+                f"with gradient checkpointing, micro-batch 1 x {sequences} accumulation steps",
+                {"grad_checkpointing": True, "batch": 1, "grad_accum": sequences},
+            )
+        )
+    counts = []
+    for strategy in GPU_COUNT_STRATEGIES:
+        found, change, judged = None, "", None
+        # DDP's ranks hold what one GPU does and more: no count helps where one does not
+        for description, update in variants if strategy != "ddp" else variants[:1]:
+
+            def trial(n: int, update: dict = update, strategy: str = strategy) -> TrainSetup:
+                return lightest_flce(
+                    spec, setup.model_copy(update={**update, "gpus": n, "strategy": strategy})
+                )
+
+            def allocated_fits(n: int, trial=trial) -> bool:
+                return estimate(spec, trial(n), gpu).peak_bytes <= gpu.capacity
+
+            ceiling = 1 if strategy == "ddp" else GPU_COUNT_CEILING
+            bound = _smallest(allocated_fits, ceiling)
+            for n in _upward(bound or ceiling, ceiling) if bound else [ceiling]:
+                judged = judge(spec, trial(n), gpu)
+                if bound is not None and fits(judged):
+                    found, change = n, description
+                    break
+            if found is not None:
+                break
+        assert judged is not None
+        why = None
+        if found is None:
+            why = (
+                "each rank holds the whole model and a second copy of its gradients"
+                if strategy == "ddp"
+                else f"at {GPU_COUNT_CEILING:,} GPUs, even with checkpointing and a micro-batch "
+                f"of 1, rank 0 still holds {gib_text(judged.peak_bytes)}"
+            )
+        reserved = judged.reserved
+        counts.append(
+            GpuCount(
+                strategy=strategy,
+                gpus=found,
+                peak_bytes=judged.peak_bytes,
+                reserved_bytes=reserved.reserved_bytes if reserved and reserved.runs else 0,
+                change=change,
+                checked=STRATEGY_CHECKS[strategy],
+                why_none=why,
+                accelerate_config=accelerate_config(
+                    setup.model_copy(update={"gpus": found, "strategy": strategy})
+                )
+                if found
+                else None,
+            )
+        )
+    return counts
+
+
+def _smallest(passes: Callable[[int], bool], most: int) -> int | None:
+    """The smallest n <= most that passes, by bisection (None when not even `most` does):
+    rank 0 only loses shards as n grows."""
+    if not passes(most):
+        return None
+    low, high = 0, most
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if passes(middle) else (middle, high)
+    return high
+
+
+def _upward(n: int, most: int) -> list[int]:
+    """n, then 9/8, 5/4, 3/2 and 2 times n (rounded up), up to `most`: where the allocated
+    peak only just fits, fragmentation needs a few percent more room."""
+    steps = [n] + [-(-n * num // den) for num, den in ((9, 8), (5, 4), (3, 2), (2, 1))]
+    return sorted({min(s, most) for s in steps})
+
+
+def gib_text(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB"
 
 
 def lightest_flce(spec: ModelSpec, setup: TrainSetup) -> TrainSetup:

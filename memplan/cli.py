@@ -105,6 +105,30 @@ def cli() -> None:
     "registry families, traced otherwise",
 )
 @click.option(
+    "--gpus",
+    default="1",
+    show_default=True,
+    help="data-parallel ranks, each running --batch sequences; the prediction is rank 0's",
+)
+@click.option(
+    "--strategy",
+    type=click.Choice(["ddp", "fsdp2", "zero1", "zero2", "zero3"]),
+    help="how the ranks split the model (needed with --gpus > 1): DDP, FSDP2, DeepSpeed ZeRO "
+    "stage 1/2/3, as accelerate runs them",
+)
+@click.option(
+    "--reshard-after-forward/--no-reshard-after-forward",
+    default=True,
+    show_default=True,
+    help="FSDP2: decoder layers free their gathered weights after forward",
+)
+@click.option(
+    "--cpu-offload",
+    is_flag=True,
+    help="FSDP2: weights, gradients and optimizer states on the CPU; ZeRO: optimizer states "
+    "(and, at stage 3, weights)",
+)
+@click.option(
     "--transformers",
     help="the transformers release that will run the step, e.g. 5.24.0 (default: the "
     "installed one); the prediction follows what changed between releases",
@@ -147,6 +171,10 @@ def advise(**opts: Any) -> None:
         safety_margin=opts["safety_margin"],
         method=None if opts["method"] == "auto" else opts["method"],
         transformers=opts["transformers"],
+        gpus=positive_int("--gpus", opts["gpus"]),
+        strategy=opts["strategy"],
+        reshard_after_forward=opts["reshard_after_forward"],
+        cpu_offload=opts["cpu_offload"],
     )
     from memplan.versions import warn_if_unvalidated
 

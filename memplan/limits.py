@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from memplan.errors import MemplanError, option_error
 from memplan.estimators.params import LORA_TARGET_SHAPES
-from memplan.schema import ModelSpec
+from memplan.schema import STRATEGIES, ModelSpec
 
 # advisor.largest_batch searches batches up to here (it says "at least" when that fits).
 MAX_BATCH = 2**20
@@ -20,6 +20,8 @@ MAX_SEQ = 2**24
 MAX_GRAD_ACCUM = 2**20
 # advise never picks fewer rows than this (advisor.choose_flce_chunk stops halving at 64).
 MIN_FLCE_CHUNK = 64
+# 16x the 16,384 GPUs Llama 3.1 405B trained on; the smallest-GPU-count search stops here.
+MAX_GPUS = 2**18
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,10 @@ def check_setup(
     grad_accum: int,
     lora_rank: int | None = None,
     flce_chunk: int | None = None,
+    gpus: int = 1,
 ) -> None:
     """UsageError for a count that is not a positive integer or is past its bound."""
-    counts = {"batch": batch, "seq": seq, "grad_accum": grad_accum}
+    counts = {"batch": batch, "seq": seq, "grad_accum": grad_accum, "gpus": gpus}
     optional = {"lora_rank": lora_rank, "flce_chunk": flce_chunk}
     counts.update({name: value for name, value in optional.items() if value is not None})
     for name, value in counts.items():
@@ -95,6 +98,40 @@ def check_setup(
             "flce_chunk",
             least=MIN_FLCE_CHUNK,
             value=flce_chunk,
+        )
+
+
+def check_parallelism(
+    gpus: int, strategy: str | None, reshard_after_forward: bool, cpu_offload: bool
+) -> None:
+    """UsageError for a GPU count past MAX_GPUS, an unknown strategy, or an option the
+    strategy does not have."""
+    if gpus > MAX_GPUS:
+        raise option_error(
+            "{} may be at most {most:,} (2**18), got {value:,}", "gpus", most=MAX_GPUS, value=gpus
+        )
+    if strategy is not None and strategy not in STRATEGIES:
+        raise option_error(
+            "{} must be one of {choices}, got {value!r}",
+            "strategy",
+            choices=", ".join(STRATEGIES),
+            value=strategy,
+        )
+    if gpus > 1 and strategy is None:
+        raise option_error(
+            "{} {gpus} needs {} (one of {choices})",
+            "gpus",
+            "strategy",
+            gpus=gpus,
+            choices=", ".join(STRATEGIES),
+        )
+    if not reshard_after_forward and strategy != "fsdp2":
+        raise option_error(
+            "{} off is an FSDP2 setting: add {} fsdp2", "reshard_after_forward", "strategy"
+        )
+    if cpu_offload and strategy not in ("fsdp2", "zero1", "zero2", "zero3"):
+        raise option_error(
+            "{} needs a sharding {}: fsdp2, zero1, zero2 or zero3", "cpu_offload", "strategy"
         )
 
 

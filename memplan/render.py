@@ -30,6 +30,14 @@ BREAKDOWN_LABELS = {
     "transient": "the temporaries of the op at the peak",
 }
 
+STRATEGY_NAMES = {
+    "ddp": "DDP",
+    "fsdp2": "FSDP2",
+    "zero1": "DeepSpeed ZeRO-1",
+    "zero2": "DeepSpeed ZeRO-2",
+    "zero3": "DeepSpeed ZeRO-3",
+}
+
 PRECISION_TERMS = {
     "bf16": "weights, gradients and optimizer states all in bf16 (no fp32 master copy)",
     "amp-bf16": "fp32 weights, gradients and optimizer states; autocast runs the matmuls in bf16",
@@ -69,17 +77,16 @@ def verdict_lines(advice: Advice) -> list[str]:
     default = resolve_gpu(DEFAULT_GPU)
     assumed = " (the default GPU)" if gpu == default else ""
     head = f"[bold]{escape(advice.model)}[/bold], batch {setup.batch} x seq {setup.seq}"
+    on = escape(gpu.name) + assumed
+    if setup.strategy is not None:
+        per = " per rank" if setup.gpus > 1 else ""
+        head += per
+        on = f"{setup.gpus} x {on} with {STRATEGY_NAMES[setup.strategy]} (rank 0's peak)"
     if advice.fits:
-        lines = [
-            f"{head} on {escape(gpu.name)}{assumed}: [green]fits[/green], "
-            f"{gib(advice.headroom_bytes)} headroom."
-        ]
+        lines = [f"{head} on {on}: [green]fits[/green], {gib(advice.headroom_bytes)} headroom."]
     else:
         where = f" ({reserved.oom_phase}, {reserved.oom_label})" if reserved else ""
-        lines = [
-            f"{head} on {escape(gpu.name)}{assumed}: [red]does not fit[/red], out of memory"
-            f"{escape(where)}."
-        ]
+        lines = [f"{head} on {on}: [red]does not fit[/red], out of memory{escape(where)}."]
     source = (
         "measured"
         if gpu.capacity_measured
@@ -207,16 +214,17 @@ def _todo(advice: Advice) -> list[tuple[str, bool]]:
             return [("Run it as it is: no memplan kernel was asked for.", False)]
         return [("Do this:", False), *((line, True) for line in code)]
     if not advice.suggestions:
-        return []
+        return _gpu_lines(advice)
     first, *others = advice.suggestions
     if not first.fits:
+        where = "one GPU" if advice.setup.gpus == 1 else f"{advice.setup.gpus} GPUs"
         return [
             (
-                "Nothing tried fits one GPU; the closest: "
-                f"{escape(first.description)}: {gib(first.peak_bytes)} predicted. "
-                "Shard across GPUs (FSDP/ZeRO).",
+                f"Nothing tried fits {where}; the closest: "
+                f"{escape(first.description)}: {gib(first.peak_bytes)} predicted.",
                 False,
-            )
+            ),
+            *_gpu_lines(advice),
         ]
     lines = [
         (
@@ -230,6 +238,39 @@ def _todo(advice: Advice) -> list[tuple[str, bool]]:
     if others:
         lines.append(("Also fits:", False))
         lines += [(f"  - {escape(s.description)}: {gib(s.peak_bytes)}", False) for s in others]
+    return lines + _gpu_lines(advice)
+
+
+def _gpu_lines(advice: Advice) -> list[tuple[str, bool]]:
+    """The fewest GPUs of this kind for each strategy, then accelerate's config of the fewest
+    (the first listed among equals)."""
+    if not advice.gpu_counts:
+        return []
+    lines = [(f"Across GPUs of this kind (each rank runs batch {advice.setup.batch}):", False)]
+    for option in advice.gpu_counts:
+        name = STRATEGY_NAMES[option.strategy]
+        if option.gpus is None:
+            lines.append((f"  - {name}: no number of GPUs: {escape(option.why_none or '')}", False))
+            continue
+        change = f", {escape(option.change)}" if option.change else ""
+        lines.append(
+            (
+                f"  - {name}: {option.gpus} GPUs{change}: rank 0 peaks at "
+                f"{gib(option.peak_bytes)} ({escape(option.checked)})",
+                False,
+            )
+        )
+    found = [o for o in advice.gpu_counts if o.gpus is not None and o.accelerate_config]
+    if found:
+        best = min(found, key=lambda o: o.gpus or 0)
+        lines.append(
+            (
+                f"accelerate launch --config_file with this config runs {best.gpus} ranks of "
+                f"{STRATEGY_NAMES[best.strategy]}:",
+                False,
+            )
+        )
+        lines += [(line, True) for line in (best.accelerate_config or "").splitlines()]
     return lines
 
 

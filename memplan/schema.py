@@ -21,6 +21,9 @@ Attention = Literal["sdpa", "eager"]
 Optimizer = Literal[
     "adamw", "adamw-fused", "adam", "sgd", "sgd-momentum", "adamw-8bit", "adafactor"
 ]
+# Data parallelism as accelerate runs it: DDP, FSDP2 (fully_shard), DeepSpeed ZeRO stages.
+Strategy = Literal["ddp", "fsdp2", "zero1", "zero2", "zero3"]
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 
 # Canonical kernel names, in the order the advisor reports them.
 KERNEL_NAMES: tuple[str, ...] = (
@@ -138,6 +141,16 @@ class TrainSetup(BaseModel):
     # The transformers release whose code runs the step (memplan.estimators.releases: what
     # changed between releases); None: the release the contracts were read off.
     transformers: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+)?")
+    # Data parallelism over `gpus` ranks, each running `batch` sequences; the estimate is rank
+    # 0's (the largest shards). None: one GPU, as the protocol runs it.
+    gpus: int = Field(default=1, gt=0)
+    strategy: Strategy | None = None
+    # FSDP2: the decoder layers free their gathered weights after forward and gather them again
+    # in backward (accelerate's fsdp_reshard_after_forward, default on).
+    reshard_after_forward: bool = True
+    # FSDP2: weights, gradients and optimizer states live on the CPU (CPUOffloadPolicy); ZeRO:
+    # optimizer states (and, at stage 3, the weights) on the CPU.
+    cpu_offload: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSetup:
@@ -148,7 +161,17 @@ class TrainSetup(BaseModel):
             raise ValueError("cross_entropy and flce both compute the loss; give one")
         if self.flce_chunk is not None and self.flce_memory_budget is not None:
             raise ValueError("give flce_chunk or flce_memory_budget, not both")
+        if self.gpus > 1 and self.strategy is None:
+            raise ValueError(f"{self.gpus} GPUs need a strategy: one of {', '.join(STRATEGIES)}")
+        if not self.reshard_after_forward and self.strategy != "fsdp2":
+            raise ValueError("reshard_after_forward is an FSDP2 setting; the strategy is not fsdp2")
+        if self.cpu_offload and self.strategy not in ("fsdp2", "zero1", "zero2", "zero3"):
+            raise ValueError("cpu_offload needs a sharding strategy: fsdp2 or zero1/2/3")
         return self
+
+    @property
+    def distributed(self) -> bool:
+        return self.strategy is not None
 
 
 def make_setup(**fields: Any) -> TrainSetup:
@@ -172,6 +195,10 @@ SETUP_OPTIONS = (
     "grad_accum",
     "expandable_segments",
     "transformers",
+    "gpus",
+    "strategy",
+    "reshard_after_forward",
+    "cpu_offload",
 )
 
 
@@ -276,6 +303,22 @@ class Suggestion(BaseModel):
     reserved_bytes: int = 0  # predicted reserved peak (where it runs out of memory, if not)
 
 
+class GpuCount(BaseModel):
+    """The fewest GPUs of the advised kind on which a strategy runs the step (None: no number
+    does), rank 0's predicted peak there, and accelerate's config to launch it."""
+
+    strategy: Strategy
+    gpus: int | None
+    peak_bytes: int  # allocated, at `gpus` (or at the most GPUs tried)
+    reserved_bytes: int = 0
+    # What else it changes in the setup to get there ("" for nothing), e.g. checkpointing.
+    change: str = ""
+    # How the strategy's model was checked (docs/distributed.md).
+    checked: str
+    why_none: str | None = None
+    accelerate_config: str | None = None
+
+
 class Advice(BaseModel):
     model: str
     setup: TrainSetup
@@ -294,6 +337,8 @@ class Advice(BaseModel):
     max_batch: int | None = None
     # The largest sequence that fits at this batch, up to the model's max_position_embeddings.
     max_seq: int | None = None
+    # When the step does not fit: for each strategy, the fewest GPUs that run it.
+    gpu_counts: list[GpuCount] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
 
     def __str__(self) -> str:

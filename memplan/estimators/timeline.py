@@ -27,6 +27,7 @@ from memplan.estimators.contracts import (
     sdpa_math_path,
 )
 from memplan.estimators.events import EventLog
+from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
 from memplan.estimators.param_tensors import param_tensors
 from memplan.estimators.params import (
     ParamCounts,
@@ -342,30 +343,35 @@ class StepSizes:
 
 
 def optimizer_tensors(
-    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, layout: OneGpu
 ) -> tuple[list[list[int]], list[int]]:
-    """Per trainable tensor the bytes of its optimizer states, and the step's temporaries alive
-    at once: torch's foreach AdamW keeps one sqrt(exp_avg_sq) per tensor, the fused one none,
-    Adafactor (one tensor at a time) the largest tensor's estimate."""
+    """Per trainable tensor of this rank the bytes of its optimizer states, and the step's
+    temporaries alive at once: torch's foreach AdamW keeps one sqrt(exp_avg_sq) per tensor,
+    the fused one none, Adafactor (one tensor at a time) the largest tensor's estimate."""
     lora = bool(setup.lora_rank)
-    element = FP32 if lora else dtypes.param
-    tensors = trainable_tensors(spec, setup)
+    element = layout.state_element(FP32 if lora else dtypes.param)
+    tensors = layout.local_trainable(trainable_tensors(spec, setup))
     if setup.optimizer in QUANTIZED_STATE_BYTES:
         per_element, _ = QUANTIZED_STATE_BYTES[setup.optimizer]
         return [[int(n * per_element)] for n in tensors], []
     state_elems, temp_elems = OPTIMIZER_STATES[setup.optimizer]
     states = [[n * element] * int(state_elems) for n in tensors]
     if setup.optimizer in PER_TENSOR_STEP:
-        return states, [largest_trainable_tensor(spec, setup) * element]
+        largest = (
+            max(tensors, default=0) if setup.distributed else largest_trainable_tensor(spec, setup)
+        )
+        return states, [largest * element]
     return states, [n * element for n in tensors] if temp_elems else []
 
 
 def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str) -> StepSizes:
+    weights = DtypePlan.of(setup.precision)  # weights, their gradients, optimizer states
+    states, step_temp = optimizer_tensors(spec, setup, weights, layout_for(spec, setup))
+    setup = computed_setup(setup)  # activations, as the step computes them
     dtypes = DtypePlan.of(setup.precision)
     counts = count_params(spec)
     lora = bool(setup.lora_rank)
     n_lora = lora_params(spec, setup)
-    states, step_temp = optimizer_tensors(spec, setup, dtypes)
     tokens = setup.batch * setup.seq
     h, p = spec.hidden_size, dtypes.proj
     nh, kv, hd = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
@@ -390,7 +396,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     flash = p * (nh + 2 * kv) * hd + FP32 * nh * hd
     return StepSizes(
         counts=counts,
-        param_bytes=dtypes.param,
+        param_bytes=weights.param,
         trainable=n_lora if lora else counts.total,
         state_tensors=states,
         step_temp_tensors=step_temp,
@@ -401,7 +407,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         logits_p=round_block(tokens * spec.vocab_size * p),
         logits_fp32=round_block(tokens * spec.vocab_size * FP32),
         grad_hidden=round_block(tokens * h * p),
-        lm_head_grad=0 if lora else round_block(spec.vocab_size * h * dtypes.param),
+        lm_head_grad=0 if lora else round_block(spec.vocab_size * h * weights.param),
         # Raw q, k, v before RoPE and its rotate_half temporaries, plus the residual pair.
         layer_fwd_transient=[tokens * p * nh * hd] * 3 + [tokens * dtypes.residual * h] * 2,
         # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
@@ -483,13 +489,16 @@ def attention_scores_backward_bytes(
 @dataclass
 class RunTensors:
     """The allocations that outlive one step: weights, gradients, optimizer states, the cuBLAS
-    workspaces and the embedding leaf of checkpointed LoRA."""
+    workspaces, the embedding leaf of checkpointed LoRA, and a strategy's own (DDP's buckets,
+    FSDP2's sharded gradients by group)."""
 
     weights: list[int] = field(default_factory=list)
     states: list[int] = field(default_factory=list)
     gradients: list[int] = field(default_factory=list)
     workspaces: list[int] = field(default_factory=list)
     embedding_leaf: list[int] = field(default_factory=list)
+    buffers: list[int] = field(default_factory=list)
+    gradients_by_group: dict[str, int] = field(default_factory=dict)
 
 
 def trainable_tensors(spec: ModelSpec, setup: TrainSetup) -> list[int]:
@@ -505,16 +514,20 @@ def trainable_tensors(spec: ModelSpec, setup: TrainSetup) -> list[int]:
     return param_tensors(spec).in_order(spec.num_hidden_layers)
 
 
-def build(builder: StepBuilder, spec: ModelSpec, setup: TrainSetup, sizes: StepSizes) -> RunTensors:
+def build(
+    builder: StepBuilder, spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, layout: OneGpu
+) -> RunTensors:
     """The model as the protocol builds it: every weight in registration order, then the LoRA
-    adapters (fp32) that peft adds."""
+    adapters (fp32) that peft adds; under FSDP2 rank 0's shards; then what the strategy keeps
+    from its preparation on (DDP's buckets)."""
     run = RunTensors()
     builder.at("start", "model build")
     elements = param_tensors(spec).in_order(spec.num_hidden_layers)
-    run.weights = builder.alloc_all("weights", (n * sizes.param_bytes for n in elements))
-    if setup.lora_rank:
-        adapters = trainable_tensors(spec, setup)
-        run.weights += builder.alloc_all("weights", (n * FP32 for n in adapters))
+    adapters = trainable_tensors(spec, setup) if setup.lora_rank else []
+    run.weights = builder.alloc_all(
+        "weights", layout.weight_tensors(elements, adapters, sizes.param_bytes)
+    )
+    run.buffers = layout.prepare(builder, sizes.param_bytes, trainable_tensors(spec, setup))
     return run
 
 
@@ -556,10 +569,15 @@ def walk_step(
     sizes: StepSizes,
     steady: bool,
     accumulating: bool = False,
+    layout: OneGpu | None = None,
+    sync: bool = True,
 ) -> Walk:
     """One micro-step's forward and backward. `accumulating`: a later micro-step of gradient
     accumulation, which starts with every gradient alive; each new gradient is then added into
-    the one there (in place) and freed, instead of kept."""
+    the one there (in place) and freed, instead of kept. `layout`: the strategy's allocations
+    at each part of the model (parallel.py); `sync`: the micro-step reduces its gradients
+    across ranks (accelerate skips that on all but the last micro-step)."""
+    layout = layout or OneGpu(spec, setup)
     kernels = set(setup.kernels)
     saved = sizes.saved
     ckpt = setup.grad_checkpointing
@@ -568,10 +586,15 @@ def walk_step(
     builder.at("start", "step start")
     if not run.workspaces:  # the forward thread's cuBLAS workspace, at its first matmul
         run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
-    embedding_grad = 0 if lora else round_block(sizes.counts.embedding * sizes.param_bytes)
-    final_norm_grad = 0 if lora else round_block(sizes.counts.final_norm * sizes.param_bytes)
+    grad_bytes = layout.gradient_bytes(sizes.param_bytes)
+    embedding_grad = 0 if lora else sizes.counts.embedding * grad_bytes
+    final_norm_grad = 0 if lora else sizes.counts.final_norm * grad_bytes
+    tied = spec.tie_word_embeddings
 
-    def keep_gradients(*nbytes: int) -> None:
+    def keep_gradients(group: str, part: str, *nbytes: int) -> None:
+        if layout.owns_gradients():
+            layout.gradients(builder, group, part, run, accumulating)
+            return
         tensors = builder.alloc_all("gradients", nbytes)
         if accumulating:
             builder.free_all(tensors)  # added into the gradients already there
@@ -588,26 +611,32 @@ def walk_step(
     # memplan's causal-LM forward (patched with a loss kernel) does: a copy of every layer's k
     # and v, held by the model output until forward returns.
     cache_layer = sizes.kv_cache if hf_loss and not ckpt and spec.use_cache else ()
+    layout.forward_enter(builder, "tail" if tied else "embedding")
     forward_kept = builder.alloc_all("activations", (saved.shared, saved.embedding))
+    if not tied:
+        layout.forward_exit(builder, "embedding")
     kv_cache: list[int] = []
     layer_kept: list[tuple[list[int], list[int]]] = []  # saved before and after attention
     for index, (before, after) in enumerate(saved.layer_entries):
         entries = before + after
         recomputed_later = entries if ckpt else []
         kv_cache += builder.alloc_all("kv_cache", cache_layer)
+        layout.forward_enter(builder, f"layer {index}")
         builder.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
         if ckpt:
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
             kept_before = builder.alloc_all("activations", before)
             layer_kept.append((kept_before, builder.alloc_all("activations", after)))
+        layout.forward_exit(builder, f"layer {index}")
+    layout.forward_enter(builder, "tail")
     final_norm = builder.alloc("activations", saved.final_norm)
     builder.mark("forward", "final norm", [sizes.residual])
 
     upcast = sizes.logits_fp32 if sizes.logits_p < sizes.logits_fp32 else 0
     # The final norm's output, the loss's input, is alive until forward returns; it counts here
     # where nothing saved it: FLCE, a frozen lm_head (LoRA), or autocast (lm_head saves a copy).
-    unsaved = "flce" in kernels or lora or DtypePlan.of(setup.precision).autocast
+    unsaved = "flce" in kernels or lora or DtypePlan.of(computed_setup(setup).precision).autocast
     norm_out = builder.alloc("activations", sizes.residual if unsaved else 0)
     if "flce" in kernels:
         builder.at("loss", "fused linear cross entropy")
@@ -628,16 +657,21 @@ def walk_step(
         loss_saved = builder.alloc_all("logits_and_loss", sizes.loss_entries)
         builder.mark("loss", "logits, fp32 upcast, log_softmax")
         builder.free(upcast_tensor)
+        if setup.distributed and DtypePlan.of(setup.precision).autocast:
+            # accelerate's autocast forward returns its floating outputs made fp32
+            builder.mark("forward", "logits made fp32 by accelerate", [sizes.logits_fp32])
         builder.free(logits)
     builder.free(norm_out)
     builder.free_all(kv_cache)
     builder.free(autocast_cache)
+    layout.forward_end(builder)
     if not accumulating:  # the previous step's graph, held by its loss until this forward ends
         builder.free_all(run.embedding_leaf)
         run.embedding_leaf = []
     builder.mark("forward", "end of forward")
 
     if hf_loss:
+        layout.backward_enter(builder, "tail")
         # nll_loss backward writes a dense fp32 gradient; log_softmax backward another.
         builder.at("backward", "loss backward")
         nll_grad = builder.alloc("logits_and_loss", sizes.logits_fp32)
@@ -658,23 +692,31 @@ def walk_step(
                 "backward", "softcap backward", [sizes.logits_p, sizes.logits_p], "logits_and_loss"
             )
         loss_saved = [logits_grad]
+    else:
+        layout.backward_enter(builder, "tail")
     builder.at("backward", "lm_head backward")
+    lm_head_part = "embedding" if tied else "lm_head"
     if "flce" in kernels and not sizes.flce_grads_to_fp32:
         # FLCE computed dX and dW in its forward; backward hands them on as they are.
         grad_hidden = builder.retag(loss_saved[0], "transient")
         if len(loss_saved) > 1:
             if accumulating:
                 builder.free(loss_saved[1])  # added into the gradient already there
+            elif layout.owns_gradients():
+                layout.adopt_gradient(builder, "tail", lm_head_part, loss_saved[1])
             else:
                 run.gradients.append(builder.retag(loss_saved[1], "gradients"))
     else:
         if "flce" in kernels:  # under autocast dX and dW are cast to the fp32 inputs' dtype
             builder.mark("backward", "FLCE gradients cast to fp32", sizes.flce_grads_to_fp32)
-        keep_gradients(sizes.lm_head_grad)
+        keep_gradients("tail", lm_head_part, sizes.lm_head_grad)
         grad_hidden = builder.alloc("transient", sizes.grad_hidden)
         builder.mark("backward", "lm_head backward")
         builder.free_all(loss_saved)
     builder.free(final_norm)
+    if layout.owns_gradients():
+        keep_gradients("tail", "final_norm")
+        layout.backward_exit(builder, "tail", run, sync)
 
     if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
         run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
@@ -683,6 +725,8 @@ def walk_step(
         label = f"layer {index} backward"
         before, after = saved.layer_entries[index]
         checkpoint_input: list[int] = []
+        builder.at("backward", label)
+        layout.backward_enter(builder, f"layer {index}")
         if ckpt:  # the recomputed forward's saved tensors, alive through the layer's backward
             builder.at("backward", label)
             checkpoint_input = layer_kept[index][0]
@@ -693,18 +737,19 @@ def walk_step(
         # The MLP's backward runs first, writing its weights' gradients among its temporaries;
         # by attention's, what the layer saved after attention is freed.
         kept_before, kept_after = layer_kept[index]
-        for part, transient, kept in (
-            (gradients.mlp, sizes.mlp_bwd_transient, kept_after),
-            (gradients.attention, sizes.attention_bwd_transient, kept_before),
+        for part, nbytes, transient, kept in (
+            ("mlp", gradients.mlp, sizes.mlp_bwd_transient, kept_after),
+            ("attention", gradients.attention, sizes.attention_bwd_transient, kept_before),
         ):
             builder.at("backward", label)
             held = builder.alloc_all("transient", transient)
-            keep_gradients(*part)
+            keep_gradients(f"layer {index}", part, *nbytes)
             builder.mark("backward", label)
             builder.free_all(held)
             builder.free_all(kept)
-        keep_gradients(*gradients.norms)
+        keep_gradients(f"layer {index}", "norms", *gradients.norms)
         builder.free_all(checkpoint_input)
+        layout.backward_exit(builder, f"layer {index}", run, sync)
     builder.free_all(forward_kept)
     builder.free(grad_hidden)
     if ckpt and lora:
@@ -713,7 +758,9 @@ def walk_step(
         run.embedding_leaf += builder.alloc_all("embedding_leaf", [sizes.residual] * 2)
     if not lora:
         builder.at("backward", "embedding backward")
-        if spec.tie_word_embeddings:
+        if not tied:
+            layout.backward_enter(builder, "embedding")
+        if tied:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
             # (no FLCE) plus the embedding's make a third tensor, their sum; FLCE's dW is summed
             # in place. Measured on an H200 (qwen2.5-1.5b, batch 1 x 256, SGD with momentum and
@@ -724,9 +771,13 @@ def walk_step(
             # The embedding backward's dense gradient, until it is added into the one there.
             builder.mark("backward", "embedding backward", [embedding_grad])
         else:
-            keep_gradients(embedding_grad)
-        keep_gradients(final_norm_grad)
+            keep_gradients("embedding", "embedding", embedding_grad)
+        if not layout.owns_gradients():
+            keep_gradients("tail", "final_norm", final_norm_grad)
+        if not tied:
+            layout.backward_exit(builder, "embedding", run, sync)
     builder.mark("backward", "end of backward")
+    layout.backward_end(builder, run, sync)
     return walk
 
 
@@ -751,19 +802,27 @@ def play_flce(builder: StepBuilder, steps: list[tuple[str, str, int]]) -> list[i
 
 
 def optimizer_step(
-    builder: StepBuilder, run: RunTensors, spec: ModelSpec, setup: TrainSetup, sizes: StepSizes
+    builder: StepBuilder,
+    run: RunTensors,
+    spec: ModelSpec,
+    setup: TrainSetup,
+    sizes: StepSizes,
+    layout: OneGpu | None = None,
 ) -> None:
     """The optimizer step (states created at the first: per tensor, in parameter order) and
     zero_grad(set_to_none=True)."""
     builder.at("optimizer", "optimizer step")
+    held = layout.optimizer_enter(builder, run) if layout else []
     if not run.states:
         run.states = builder.alloc_all(
             "optimizer_states", (n for nbytes in sizes.state_tensors for n in nbytes)
         )
     builder.mark("optimizer", "optimizer step", sizes.step_temp_tensors)
+    builder.free_all(held)
     builder.at("optimizer", "zero_grad")
     builder.free_all(run.gradients)
     run.gradients = []
+    run.gradients_by_group = {}
 
 
 def estimate_step(
@@ -798,13 +857,19 @@ def walk_run(
     One steady step predicts the reserved peaks of the recorded traces as well as two or three
     (tests/data/allocator_traces)."""
     builder = StepBuilder(record)
-    run = build(builder, spec, setup, sizes)
+    layout = layout_for(spec, setup)
+    run = build(builder, spec, setup, sizes, layout)
     walks: list[Walk] = []
     for step in range(1 + steady_steps):
         steady = step > 0
-        micro = [walk_step(builder, run, spec, setup, sizes, steady)]
-        if setup.grad_accum > 1:
-            micro.append(walk_step(builder, run, spec, setup, sizes, steady, accumulating=True))
-        optimizer_step(builder, run, spec, setup, sizes)
+        run.buffers = layout.step_start(builder, step, run.buffers)
+        layout.steady = steady
+        accumulates = setup.grad_accum > 1
+        micro = [
+            walk_step(builder, run, spec, setup, sizes, steady, False, layout, not accumulates)
+        ]
+        if accumulates:
+            micro.append(walk_step(builder, run, spec, setup, sizes, steady, True, layout))
+        optimizer_step(builder, run, spec, setup, sizes, layout)
         walks.append(max(micro, key=lambda w: w.peak))
     return (walks[0], walks[-1]), builder.log

@@ -84,6 +84,9 @@ _SWEEP_PARSERS: dict[str, Any] = {
     "attn": str,
     "grad_checkpointing": _parse_bool,
     "kernels": parse_kernels,
+    "gpus": int,
+    "strategy": str,
+    "reshard_after_forward": _parse_bool,
 }
 
 

@@ -131,6 +131,20 @@ def _profile_tables(m: Measurement, top: int = 10) -> list[Any]:
     help="auto | none | all | comma-separated kernel names",
 )
 @click.option("--flce-chunk", help="rows per fused-linear-cross-entropy chunk")
+@click.option(
+    "--gpus",
+    default="1",
+    show_default=True,
+    help="ranks of data parallelism; rank 0 is measured on this one GPU (FSDP2 over a fake "
+    "process group of that many ranks, DDP over one rank: its memory is any rank's)",
+)
+@click.option("--strategy", type=click.Choice(["ddp", "fsdp2"]), help="needed with --gpus > 1")
+@click.option(
+    "--reshard-after-forward/--no-reshard-after-forward",
+    default=True,
+    show_default=True,
+    help="FSDP2: decoder layers free their gathered weights after forward",
+)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--steps", default="3", show_default=True, help="optimizer steps measured (>= 3)")
 @click.option(
@@ -187,6 +201,7 @@ def verify_command(**opts: Any) -> None:
         ),
         grad_accum=positive_int("--grad-accum", opts["grad_accum"]),
         flce_chunk=positive_int("--flce-chunk", opts["flce_chunk"]),
+        **_parallelism(opts),
     )
     timeout = positive_int("--timeout", opts["timeout"])
     try:
@@ -199,6 +214,19 @@ def verify_command(**opts: Any) -> None:
         raise MemplanError(f"{exc} ({len(exc.report.measurements)} measured{where})") from None
     _show(report, opts)
     _exit_for(report)
+
+
+def _parallelism(opts: dict[str, Any]) -> dict[str, Any]:
+    """The setup options of --gpus, --strategy and --no-reshard-after-forward, checked."""
+    gpus = positive_int("--gpus", opts["gpus"])
+    if gpus is not None and gpus > 1 and opts["strategy"] is None:
+        raise UsageError(f"--gpus {gpus} needs --strategy ddp or fsdp2")
+    if not opts["reshard_after_forward"] and opts["strategy"] != "fsdp2":
+        raise UsageError("--no-reshard-after-forward is an FSDP2 setting: add --strategy fsdp2")
+    options: dict[str, Any] = {"gpus": gpus or 1, "strategy": opts["strategy"]}
+    if not opts["reshard_after_forward"]:
+        options["reshard_after_forward"] = False
+    return options
 
 
 def _show(report: Report, opts: dict[str, Any]) -> None:

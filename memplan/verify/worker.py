@@ -20,7 +20,7 @@ from typing import Any
 
 import memplan
 from memplan.schema import Measurement, ProfileOp, ProfileTable, VerifyCase
-from memplan.verify import protocol
+from memplan.verify import distributed, protocol
 from memplan.verify.allocator_trace import downsample, events_from_trace, marker_sizes
 
 # Where tensors go. The protocol measures on CUDA; CPU tests point this at "cpu" and replace
@@ -107,6 +107,7 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
 
     setup = case.setup
     dtype = torch.bfloat16 if setup.precision == "bf16" else torch.float32
+    device = distributed.build_device(setup, DEVICE)
     torch.manual_seed(0)
     try:
         if case.checkpoint is not None:
@@ -114,14 +115,14 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
                 case.checkpoint,
                 dtype=dtype,
                 attn_implementation=setup.attn,
-                device_map=DEVICE,
+                device_map=device,
                 trust_remote_code=case.trust_remote_code,
             )
             rec["weights"] = "checkpoint"
         else:
             fields = {k: v for k, v in case.hf_config.items() if k != "model_type"}
             config = AutoConfig.for_model(case.model_type, **fields)
-            with torch.device(DEVICE):
+            with torch.device(device):
                 model = AutoModelForCausalLM.from_config(
                     config, dtype=dtype, attn_implementation=setup.attn
                 )
@@ -132,8 +133,6 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
             "build", f"the model failed to build: {_one_line(exc)}", protocol.EXIT_BUILD
         ) from exc
     model.train()
-    torch.cuda.synchronize()
-    rec["after_model_bytes"] = torch.cuda.memory_allocated()
     rec["n_params"] = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
 
@@ -174,12 +173,18 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
             if kernels != setup.kernels:  # the measurement describes what really ran
                 rec["applied"]["requested"] = list(setup.kernels)
                 rec["setup"] = setup.model_copy(update={"kernels": kernels})
+        if setup.strategy is not None:
+            model = distributed.prepare(model, setup, DEVICE)
+            rec["env"]["accelerate"] = _version("accelerate")
+            rec["env"]["world_size"] = str(setup.gpus)
     except Exception as exc:
         if _is_oom(exc):
             raise
         raise _Failure(
             "build", f"preparing the model failed: {_one_line(exc)}", protocol.EXIT_BUILD
         ) from exc
+    torch.cuda.synchronize()
+    rec["after_model_bytes"] = torch.cuda.memory_allocated()
     return model, vocab
 
 
@@ -261,6 +266,8 @@ class _Trainer:
         model, ids, opt = self.model, self.ids, self.opt
         for micro in range(self.accum):
             suffix = f" {micro + 1}" if self.accum > 1 else ""
+            # as accelerate accumulates: ranks sync gradients on the last micro-batch only
+            distributed.sync_gradients(model, micro == self.accum - 1)
             if mark:
                 mark("forward" + suffix)
             if self.autocast is not None:
@@ -478,6 +485,11 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
     code = protocol.EXIT_OK
     try:
         _check_gpu(rec)
+        if case.setup.strategy is not None:
+            try:
+                distributed.init_process_group(case.setup, DEVICE)
+            except Exception as exc:
+                raise _Failure("build", _one_line(exc), protocol.EXIT_BUILD) from exc
         if case.record_allocator_trace:
             _start_allocator_trace()
         try:
@@ -513,6 +525,8 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
     rec.pop("oom_phase", None)
     if case.record_allocator_trace and code in (protocol.EXIT_OK, protocol.EXIT_OOM):
         rec["allocator_trace"] = _stop_allocator_trace()
+    if case.setup.strategy is not None:
+        distributed.destroy_process_group()
     return Measurement.model_validate(rec), code
 
 

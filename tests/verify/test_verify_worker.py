@@ -231,3 +231,57 @@ def test_build_trainer_gives_a_warmed_up_protocol_step(fake_cuda):
     assert trainer.ids.shape == (2, 16)
     trainer.step()
     assert math.isfinite(trainer.loss.item())
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        {"strategy": "fsdp2", "gpus": 4},
+        {"strategy": "fsdp2", "gpus": 8, "reshard_after_forward": False, "precision": "amp-bf16"},
+        {"strategy": "fsdp2", "gpus": 2, "grad_checkpointing": True},
+        {"strategy": "ddp", "gpus": 4},
+    ],
+    ids=["fsdp2", "fsdp2-keep-amp", "fsdp2-gc", "ddp"],
+)
+def test_strategies_run_as_accelerate_prepares_them(fake_cuda, setup):
+    """FSDP2 over a fake group of `gpus` ranks (rank 0's shards are real tensors), DDP over a
+    real one-rank group; the process group is gone when the child returns."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    prepared = []
+    real_prepare = worker.distributed.prepare
+
+    def spy(model, *args):
+        prepared.append(real_prepare(model, *args))
+        return prepared[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker.distributed, "prepare", spy)
+        m, code = worker.run(make_case(**setup))
+    assert code == protocol.EXIT_OK, m.error
+    assert m.status == "ok" and m.loss is not None and m.env["world_size"] == str(setup["gpus"])
+    assert not dist.is_initialized()
+    model = prepared[0]
+    if setup["strategy"] == "fsdp2":
+        groups = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+        # accelerate's wrapping: each decoder layer, the tail [norm, lm_head] (with the tied
+        # embedding), then the root
+        assert groups == [
+            "",
+            "model.embed_tokens",
+            "model.layers.0",
+            "model.layers.1",
+            "model.norm",
+            "lm_head",
+        ]
+        rows = TINY_LLAMA["vocab_size"] // setup["gpus"]
+        assert model.lm_head.weight.to_local().shape[0] == rows
+    else:
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def test_zero_is_predicted_only(fake_cuda):
+    m, code = worker.run(make_case(strategy="zero2", gpus=2))
+    assert code == protocol.EXIT_BUILD and m.error_kind == "build"
+    assert "ddp and fsdp2" in m.error

@@ -1,0 +1,196 @@
+"""DeepSpeed ZeRO stages 1-3 (DeepSpeed 0.19) as accelerate configures them with the Hugging Face
+"auto" sizes, rank 0's view: predicted from DeepSpeed's code, not measured (docs/distributed.md
+says what is left out).
+
+Under DeepSpeed's bf16 mode (accelerate's mixed precision bf16, or a bf16 model) the weights
+and their gradients are bf16 and the optimizer steps an fp32 master copy of rank 0's partition;
+with fp32 everything is fp32 (stage 3 then steps the partition itself). The reduce bucket is
+hidden_size**2 elements (the "auto" value), doubled by overlap_comm, which DeepSpeed turns on
+for stage 3 only; stage 3 prefetches 0.9 * hidden_size**2 elements and keeps a gathered
+parameter until 1e9 elements of others were used since (stage3_max_reuse_distance)."""
+
+from __future__ import annotations
+
+from memplan.estimators.contracts import FP32
+from memplan.estimators.parallel import OneGpu, model_groups
+from memplan.schema import ModelSpec, TrainSetup
+
+MAX_REUSE_DISTANCE = 10**9
+# DeepSpeed computes the gradient norm per partition slice in fp64.
+NORM_BYTES = 8
+
+
+class Zero(OneGpu):
+    def __init__(self, spec: ModelSpec, setup: TrainSetup) -> None:
+        super().__init__(spec, setup)
+        assert setup.strategy is not None
+        self.stage = int(setup.strategy[-1])
+        self.ranks = setup.gpus
+        self.element = FP32 if setup.precision == "fp32" else 2  # bf16 mode otherwise
+        self.groups = model_groups(spec, setup)
+        self.layers = spec.num_hidden_layers
+        layer = self.groups["layer"]
+        self.numel = {
+            "layer": sum(p.numel for p in layer.params),
+            "tail": sum(p.numel for p in self.groups["tail"].params),
+            "embedding": sum(p.numel for p in self.groups.get("embedding", layer).params)
+            if "embedding" in self.groups
+            else 0,
+        }
+        self.trainable = (
+            self._trainable("embedding")
+            + self._trainable("layer") * self.layers
+            + self._trainable("tail")
+        )
+        self.total = self.numel["embedding"] + self.numel["layer"] * self.layers
+        self.total += self.numel["tail"]
+        # rank 0's partition of the trainable elements (stage 1/2 pad to 2N, stage 3 each
+        # parameter to N)
+        self.partition = -(-self.trainable // (2 * self.ranks)) * 2
+        self.bucket = spec.hidden_size**2
+        self.overlap = self.stage == 3
+        self._grads: list[int] = []
+        self._ipg: list[int] = []
+        self._gathered: dict[str, list[int]] = {}
+
+    def _trainable(self, name: str) -> int:
+        group = self.groups.get(name)
+        return sum(p.numel for p in group.trainable) if group else 0
+
+    def _name(self, group: str) -> str:
+        return "layer" if group.startswith("layer") else group
+
+    # ------------------------------------------------------------------ build
+    def weight_tensors(
+        self, elements: list[int], adapters: list[int], param_bytes: int
+    ) -> list[int]:
+        if self.stage < 3:  # every rank keeps the whole model (a flat copy of the trained part)
+            return [n * self.element for n in elements + adapters]
+        # partitions, defragmented into one buffer
+        return [-(-(self.total + sum(adapters)) // self.ranks) * self.element]
+
+    def prepare(self, builder, param_bytes: int, trainable: list[int]) -> list[int]:
+        builder.at("start", "ZeRO partitions")
+        kept = []
+        if self.stage < 3 or self.element != FP32:  # the fp32 master of rank 0's partition
+            kept.append(builder.alloc("optimizer_states", self.partition * FP32))
+        if self.stage == 3:
+            kept.append(builder.alloc("gradients", self.partition * self.element))
+            kept.append(builder.alloc("reduce_scatter_buffers", self.bucket * self.element))
+        return kept
+
+    def local_trainable(self, trainable: list[int]) -> list[int]:
+        return [self.partition]
+
+    def state_element(self, element: int) -> int:
+        return FP32
+
+    def gradient_bytes(self, param_bytes: int) -> int:
+        return self.element
+
+    def owns_gradients(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ gathers (stage 3)
+    def _gather(self, builder, group: str) -> None:
+        if self.stage < 3 or self.ranks == 1 or self._gathered.get(group):
+            return
+        numel = self.numel[self._name(group)]
+        self._gathered[group] = [
+            builder.alloc("gathered_weights", -(-numel // self.ranks) * self.ranks * self.element)
+        ]
+
+    def _release(self, builder, group: str, steady: bool, distance: int) -> None:
+        if steady and distance < MAX_REUSE_DISTANCE:
+            return  # used again soon: kept gathered
+        builder.free_all(self._gathered.pop(group, []))
+
+    def _distance(self, group: str) -> int:
+        """Elements of other parameters used between this group's forward and its backward."""
+        if group == "tail":
+            return 0
+        if group == "embedding":
+            return 2 * self.total
+        index = int(group.split()[-1])
+        return 2 * (self.layers - 1 - index) * self.numel["layer"] + self.numel["tail"]
+
+    def forward_enter(self, builder, group: str) -> None:
+        self._gather(builder, group)
+
+    def forward_exit(self, builder, group: str) -> None:
+        self._release(builder, group, self.steady, self._distance(group))
+
+    def backward_enter(self, builder, group: str) -> None:
+        self._gather(builder, group)
+        if not self._ipg and self.stage < 3:  # the reduce bucket, at the first gradient
+            self._ipg = builder.alloc_all(
+                "reduce_scatter_buffers", [self.bucket * self.element] * (1 + self.overlap)
+            )
+
+    # ------------------------------------------------------------------ gradients
+    def gradients(self, builder, group: str, part: str, run, accumulating: bool) -> None:
+        params = [p for p in self.groups[self._name(group)].trainable if p.part == part]
+        sizes = [p.numel * self.element for p in params]
+        if self.stage == 1:  # autograd's gradients stay until the end of backward
+            self._grads += builder.alloc_all("unsharded_gradients", sizes)
+            return
+        # copied into the reduce bucket and freed; stage 3 reduce-scatters through a
+        # concatenated copy of the bucket
+        held = builder.alloc_all("unsharded_gradients", sizes)
+        if self.stage == 3:
+            held += builder.alloc_all(
+                "reduce_scatter_buffers", [min(sum(sizes), self.bucket * self.element)]
+            )
+        builder.mark("backward", f"{group} backward")
+        builder.free_all(held)
+        if self.stage == 2 and not run.gradients and self._reaches_partition(group):
+            run.gradients.append(builder.alloc("gradients", self.partition * self.element))
+
+    def adopt_gradient(self, builder, group: str, part: str, tensor: int) -> None:
+        builder.retag(tensor, "unsharded_gradients")
+        if self.stage == 1:
+            self._grads.append(tensor)
+        else:
+            builder.free(tensor)
+
+    def _reaches_partition(self, group: str) -> bool:
+        """Whether this group holds rank 0's first partition element's gradient owners: the
+        partition covers the first parameters in registration order (the embedding, then the
+        first layers)."""
+        if group == "tail":
+            return "embedding" not in self.groups  # the tied embedding is the lm_head
+        if group == "embedding":
+            return True
+        index = int(group.split()[-1])
+        before = self._trainable("embedding") + index * self._trainable("layer")
+        return before < self.partition
+
+    def backward_exit(self, builder, group: str, run, sync: bool) -> None:
+        if self.stage == 3:
+            self._release(builder, group, False, 0)
+
+    def backward_end(self, builder, run, sync: bool) -> None:
+        if self.stage == 1:  # reduced into rank 0's partition at the end of backward
+            run.gradients.append(builder.alloc("gradients", self.partition * self.element))
+            builder.mark("backward", "ZeRO-1 reduces the gradients")
+            builder.free_all(self._grads)
+            self._grads = []
+        elif self.stage == 2 and not run.gradients:
+            run.gradients.append(builder.alloc("gradients", self.partition * self.element))
+        builder.free_all(self._ipg)
+        self._ipg = []
+        for group in list(self._gathered):
+            builder.free_all(self._gathered.pop(group))
+
+    def optimizer_enter(self, builder, run) -> list[int]:
+        """The step's own temporaries before the optimizer's: the fp64 norm of the largest
+        partition slice, then the fp32 copy of the flat partition gradient (kept through the
+        optimizer's step) once the low-precision one is freed."""
+        largest = max((p.numel for g in self.groups.values() for p in g.trainable), default=0)
+        builder.mark("optimizer", "gradient norm", [min(largest, self.partition) * NORM_BYTES])
+        fp32 = builder.alloc("transient", self.partition * FP32)
+        builder.mark("optimizer", "fp32 gradient partition")
+        if self.stage < 3:
+            builder.free_all(run.gradients)
+            run.gradients = []
+        return [fp32]

@@ -1,0 +1,109 @@
+"""Data parallelism in the protocol's child process, prepared as accelerate prepares it, on the
+one GPU the child has (docs/distributed.md).
+
+FSDP2 shards over a fake process group of `gpus` ranks (torch's fake_pg): its collectives do
+nothing, and every buffer FSDP2 asks for is really allocated, so rank 0's memory is that of a
+real rank 0. The model is built on the CPU and sharded by accelerate's own fsdp2_prepare_model
+with cpu_ram_efficient_loading, so no rank ever holds the whole model. DDP runs over a real
+one-rank group (under the fake group its reducer fails in backward); its buckets hold every
+gradient on any number of ranks."""
+
+from __future__ import annotations
+
+from types import MethodType, SimpleNamespace
+from typing import Any
+
+from memplan.errors import MemplanError
+from memplan.schema import TrainSetup
+
+# What accelerate's mixed_precision is for each of the protocol's precisions: bf16 and fp32 keep
+# the model's own dtype; amp-* keeps fp32 weights and autocasts the forward.
+ACCELERATE_MIXED_PRECISION = {"bf16": "no", "fp32": "no", "amp-bf16": "bf16", "amp-fp16": "fp16"}
+MEASURED_STRATEGIES = ("ddp", "fsdp2")
+
+
+def build_device(setup: TrainSetup, device: str) -> str:
+    """Where the child builds the model: FSDP2 loads it CPU-RAM-efficiently (on the CPU, then
+    each rank takes its shards), everything else on the GPU."""
+    return "cpu" if setup.strategy == "fsdp2" else device
+
+
+def init_process_group(setup: TrainSetup, device: str) -> None:
+    import torch.distributed as dist
+
+    if setup.strategy not in MEASURED_STRATEGIES:
+        raise MemplanError(
+            f"memplan verify measures {' and '.join(MEASURED_STRATEGIES)}; "
+            f"{setup.strategy} is predicted only"
+        )
+    if dist.is_initialized():
+        return
+    if setup.strategy == "fsdp2":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setup.gpus)
+    else:
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def prepare(model: Any, setup: TrainSetup, device: str) -> Any:
+    """The model as accelerate's prepare leaves it for this strategy, on `device`."""
+    import torch
+
+    mixed = ACCELERATE_MIXED_PRECISION[setup.precision]
+    if setup.strategy == "fsdp2":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            reshard_after_forward=setup.reshard_after_forward,
+            auto_wrap_policy="transformer_based_wrap",
+            cpu_ram_efficient_loading=True,
+            cpu_offload=setup.cpu_offload,
+        )
+        if mixed != "no":
+            plugin.set_mixed_precision(mixed)
+        accelerator = SimpleNamespace(
+            state=SimpleNamespace(fsdp_plugin=plugin),
+            mixed_precision=mixed,
+            is_main_process=True,
+            device=torch.device(device),
+        )
+        model = fsdp2_prepare_model(accelerator, model)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None)
+    if mixed != "no":
+        model = _autocast_forward(model, mixed, device)
+    return model
+
+
+def sync_gradients(model: Any, sync: bool) -> None:
+    """Whether the next backward reduces gradients across ranks, as accelerate's accumulate()
+    decides it (FSDP2's set_requires_gradient_sync, DDP's require_backward_grad_sync, which its
+    no_sync() context sets); a model of one GPU has neither."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+    elif hasattr(model, "require_backward_grad_sync"):
+        model.require_backward_grad_sync = sync
+
+
+def _autocast_forward(model: Any, mixed: str, device: str) -> Any:
+    """accelerate's native AMP: the forward under autocast, its floating outputs made fp32."""
+    import torch
+    from accelerate.utils import convert_outputs_to_fp32
+
+    dtype = torch.bfloat16 if mixed == "bf16" else torch.float16
+    forward = torch.autocast(device_type=device, dtype=dtype)(model.forward.__func__)
+    model.forward = MethodType(convert_outputs_to_fp32(forward), model)
+    return model

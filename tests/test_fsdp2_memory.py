@@ -1,0 +1,329 @@
+"""The FSDP2 model (memplan/estimators/parallel.py) against FSDP2 itself: a tiny Llama prepared as
+memplan verify prepares it (accelerate's fsdp2_prepare_model over a fake process group of N
+ranks, on the CPU), trained two steps while every storage is tracked, those FSDP2 owns told
+apart (rank 0's shards, gathered weights, all-gather and reduce-scatter buffers, unsharded and
+sharded gradients, optimizer states and the step's temporaries). Their bytes alive at each
+point of the run, peak and end of each phase, equal the analytic walk's to the byte."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import pytest
+import torch
+
+from memplan.catalog import spec_from_config
+from memplan.estimators.timeline import step_sizes, walk_run
+from memplan.schema import TrainSetup
+from memplan.verify import distributed
+
+TINY = {
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 96,
+    "intermediate_size": 200,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 24,
+    "max_position_embeddings": 128,
+}
+# The analytic walk's categories of what FSDP2 (and the optimizer) own.
+OWNED = {
+    "weights",
+    "gradient_buckets",
+    "gathered_weights",
+    "all_gather_buffers",
+    "reduce_scatter_buffers",
+    "unsharded_gradients",
+    "gradients",
+    "optimizer_states",
+}
+
+
+class StorageLedger:
+    """Every storage's allocation, growth and release, in order: a dispatch mode sees tensors
+    made by ops, a patched UntypedStorage.resize_ the gathered weights FSDP2 grows and shrinks
+    in place, weak references their release. A storage is owned when FSDP2's or the
+    optimizer's code made it, or when it turns out to be a gradient FSDP2 reduces."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int, str]] = []  # (allocation, bytes added, phase)
+        self.current: dict[int, tuple[int, int]] = {}  # storage key -> (allocation, bytes)
+        self.owned: set[int] = set()
+        self.phase = "build"
+        self.inside = 0  # > 0 while FSDP2's or the optimizer's code runs
+        self.closed = False  # the run is over: what goes after is its teardown
+        self.buffer_bytes = 0
+        self._next = 0
+
+    def track(self, storage: torch.UntypedStorage, owned: bool = False) -> None:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self.current:
+            allocation, old = self.current[key]
+            if nbytes != old:  # resize_
+                self.current[key] = (allocation, nbytes)
+                self.events.append((allocation, nbytes - old, self.phase))
+                if self.inside:
+                    self.owned.add(allocation)
+            return
+        if nbytes == 0:
+            return
+        allocation, self._next = self._next, self._next + 1
+        self.current[key] = (allocation, nbytes)
+        self.events.append((allocation, nbytes, self.phase))
+        # optimizer step counters are CPU scalars on a GPU too: not the GPU's memory
+        if owned or (self.inside and nbytes > 8):
+            self.owned.add(allocation)
+        weakref.finalize(storage, self._release, key, allocation)
+
+    def _release(self, key: int, allocation: int) -> None:
+        if not self.closed and self.current.get(key, (None,))[0] == allocation:
+            _, nbytes = self.current.pop(key)
+            self.events.append((allocation, -nbytes, self.phase))
+
+    def own(self, tensor: torch.Tensor) -> None:
+        key = tensor.untyped_storage()._cdata
+        if key in self.current:
+            self.owned.add(self.current[key][0])
+
+    def owned_trace(self) -> list[tuple[str, int]]:
+        """(phase, owned bytes alive) after each event."""
+        total, trace = 0, []
+        for allocation, delta, phase in self.events:
+            if allocation in self.owned:
+                total += delta
+                trace.append((phase, total))
+        return trace
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    while isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    return tensor
+
+
+def _inside(ledger: StorageLedger, fn):
+    """fn, with what it allocates counted as owned."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        ledger.inside += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ledger.inside -= 1
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def tracking(ledger: StorageLedger):
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and _local(t).device.type == "cpu":
+                    ledger.track(_local(t).untyped_storage())
+            return out
+
+    def inside(fn):
+        return _inside(ledger, fn)
+
+    def post_backward(fn):
+        @functools.wraps(fn)
+        def wrapped(self, *args, **kwargs):
+            for param in self.fsdp_params:  # the unsharded gradients autograd wrote
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None and unsharded.grad is not None:
+                    ledger.own(unsharded.grad)
+            return inside(fn)(self, *args, **kwargs)
+
+        return wrapped
+
+    resize = torch.UntypedStorage.resize_
+
+    def tracked_resize(storage, nbytes):
+        out = resize(storage, nbytes)
+        ledger.track(storage)
+        return out
+
+    patches = [
+        (group_module, "foreach_all_gather"),
+        (group_module, "foreach_all_gather_copy_out"),
+        (group_module, "foreach_reduce"),
+        (group_module.FSDPParamGroup, "reshard"),
+        (torch.optim.AdamW, "step"),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
+    saved.append(
+        (group_module.FSDPParamGroup, "post_backward", group_module.FSDPParamGroup.post_backward)
+    )
+    try:
+        for obj, name, fn in saved[:-1]:
+            setattr(obj, name, inside(fn))
+        group_module.FSDPParamGroup.post_backward = post_backward(saved[-1][2])
+        torch.UntypedStorage.resize_ = tracked_resize
+        with Mode():
+            yield
+    finally:
+        torch.UntypedStorage.resize_ = resize
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+def measure_ddp(setup: TrainSetup, config: dict) -> StorageLedger:
+    """DDP over a one-rank gloo group: the reducer's buckets (made in its constructor and
+    rebuilt in the second step's forward), the parameters' gradients, the optimizer's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_model(setup, config)
+    ledger = StorageLedger()
+    ledger.buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    distributed.init_process_group(setup, "cpu")
+    init, pre_forward = DistributedDataParallel.__init__, DistributedDataParallel._pre_forward
+    try:
+        with tracking(ledger):
+            for param in model.parameters():
+                ledger.track(param.untyped_storage(), owned=True)
+            DistributedDataParallel.__init__ = _inside(ledger, init)
+            DistributedDataParallel._pre_forward = _inside(ledger, pre_forward)
+            model = distributed.prepare(model, setup, "cpu")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+            ids = torch.randint(0, config["vocab_size"], (setup.batch, setup.seq))
+            for step in range(2):
+                ledger.phase = f"step {step} forward"
+                loss = model(input_ids=ids, labels=ids).loss
+                ledger.phase = f"step {step} backward"
+                loss.backward()
+                del loss
+                for param in model.parameters():
+                    ledger.own(param.grad)
+                ledger.phase = f"step {step} optimizer"
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            ledger.closed = True
+    finally:
+        DistributedDataParallel.__init__, DistributedDataParallel._pre_forward = init, pre_forward
+        distributed.destroy_process_group()
+    return ledger
+
+
+def build_model(setup: TrainSetup, config: dict) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    dtype = torch.bfloat16 if setup.precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama", **fields), dtype=dtype, attn_implementation="sdpa"
+    ).train()
+    if setup.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def measure(setup: TrainSetup, config: dict) -> StorageLedger:
+    model = build_model(setup, config)
+    ledger = StorageLedger()
+    distributed.init_process_group(setup, "cpu")
+    try:
+        model = distributed.prepare(model, setup, "cpu")
+        with tracking(ledger):
+            for param in model.parameters():
+                ledger.track(_local(param).untyped_storage(), owned=True)
+            ledger.phase = "step 0 forward"
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+            ids = torch.randint(0, config["vocab_size"], (setup.batch, setup.seq))
+            for step in range(2):
+                for micro in range(setup.grad_accum):
+                    last = micro == setup.grad_accum - 1
+                    model.set_requires_gradient_sync(last)
+                    ledger.phase = f"step {step} forward"
+                    loss = model(input_ids=ids, labels=ids).loss
+                    ledger.phase = f"step {step} backward"
+                    loss.backward()
+                    del loss
+                ledger.phase = f"step {step} optimizer"
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            ledger.closed = True
+    finally:
+        distributed.destroy_process_group()
+    return ledger
+
+
+def predict(setup: TrainSetup, config: dict) -> list[list[int]]:
+    """The analytic walk's owned bytes alive after each event (raw: the CPU rounds nothing),
+    per step (the walk plays the build, step 1 and one steady step)."""
+    spec = spec_from_config(config)
+    sizes = step_sizes(spec, setup, None, "cpu")
+    _, log = walk_run(spec, setup, sizes, steady_steps=1, record=True)
+    steps: list[list[int]] = [[]]
+    total, live, previous = 0, {}, "start"
+    for event in log.events:
+        if previous == "optimizer" and event.phase != "optimizer":
+            steps.append([])
+        previous = event.phase
+        optimizer_temporary = event.phase == "optimizer" and event.category == "transient"
+        if event.category not in OWNED and not optimizer_temporary:
+            continue
+        if event.action == "alloc":
+            live[event.tensor] = event.nbytes
+            total += event.nbytes
+        else:
+            total -= live.pop(event.tensor)
+        steps[-1].append(total)
+    return steps
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"gpus": 4},
+        {"gpus": 3, "precision": "amp-bf16", "tie_word_embeddings": True},
+        {"gpus": 8, "reshard_after_forward": False, "precision": "fp32"},
+        {"gpus": 4, "grad_checkpointing": True, "grad_accum": 2},
+    ],
+    ids=["bf16", "amp-tied-uneven", "fp32-keep", "ckpt-accum"],
+)
+def test_fsdp2_owns_what_the_model_says(options: dict) -> None:
+    options = dict(options)
+    config = {**TINY, "tie_word_embeddings": options.pop("tie_word_embeddings", False)}
+    setup = TrainSetup(batch=2, seq=32, strategy="fsdp2", **options)
+    trace = measure(setup, config).owned_trace()
+    steps = predict(setup, config)
+    for step in (0, 1):
+        measured = [b for p, b in trace if p.startswith(f"step {step}")]
+        assert measured[-1] == steps[step][-1], f"after step {step + 1}"
+        if config["tie_word_embeddings"]:
+            # a traced run sums the tied weight's two gradients out of place (a dispatch mode
+            # keeps autograd's buffer from reusing them), so the lm_head's half, which is the
+            # gradient itself on a GPU, is not among those FSDP2 reduces: the optimizer step
+            # (no activations, every gradient reduced) is compared instead
+            measured = [b for p, b in trace if p == f"step {step} optimizer"]
+            assert max(measured) == max(steps[step][-len(measured) :]), f"step {step + 1} step"
+        else:
+            assert max(measured) == max(steps[step]), f"step {step + 1} peak"
+
+
+def test_ddp_buckets_are_what_the_model_says() -> None:
+    """Beside the model, DDP keeps a flat copy of the model's buffers it broadcasts (here the
+    rotary inv_freq and its original, 96 bytes: one 512-byte block on a GPU)."""
+    config = {**TINY, "tie_word_embeddings": False}
+    setup = TrainSetup(batch=2, seq=32, strategy="ddp", gpus=4)
+    ledger = measure_ddp(setup, config)
+    buffers = ledger.buffer_bytes
+    trace, steps = ledger.owned_trace(), predict(setup, config)
+    for step in (0, 1):
+        measured = [b for p, b in trace if p.startswith(f"step {step}")]
+        assert max(measured) - buffers == max(steps[step]), f"step {step + 1} peak"
+        assert measured[-1] - buffers == steps[step][-1], f"after step {step + 1}"
