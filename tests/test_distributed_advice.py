@@ -122,9 +122,18 @@ def test_bad_parallelism_is_a_usage_error(options: dict, message: str) -> None:
     "args,message",
     [
         (["--gpus", "4"], "--gpus 4 needs --strategy"),
-        (["--gpus", "-1", "--strategy", "fsdp2"], "--gpus must be a positive integer"),
-        (["--strategy", "megatron"], "Invalid value for '--strategy'"),
-        (["--no-reshard-after-forward", "--strategy", "ddp", "--gpus", "2"], "FSDP2 setting"),
+        # each a process of its own: the rest under the slow marker
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in [
+                (["--gpus", "-1", "--strategy", "fsdp2"], "--gpus must be a positive integer"),
+                (["--strategy", "megatron"], "Invalid value for '--strategy'"),
+                (
+                    ["--no-reshard-after-forward", "--strategy", "ddp", "--gpus", "2"],
+                    "FSDP2 setting",
+                ),
+            ]
+        ),
     ],
 )
 def test_the_command_line_refuses_bad_parallelism_in_one_line(args, message) -> None:

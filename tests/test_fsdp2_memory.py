@@ -288,12 +288,22 @@ def predict(setup: TrainSetup, config: dict) -> list[list[int]]:
 @pytest.mark.parametrize(
     "options",
     [
-        {"gpus": 4},
-        {"gpus": 3, "precision": "amp-bf16", "tie_word_embeddings": True},
-        {"gpus": 8, "reshard_after_forward": False, "precision": "fp32"},
-        {"gpus": 4, "grad_checkpointing": True, "grad_accum": 2},
+        pytest.param({"gpus": 4}, id="bf16"),
+        pytest.param(
+            {"gpus": 3, "precision": "amp-bf16", "tie_word_embeddings": True},
+            id="amp-tied-uneven",
+        ),
+        pytest.param(
+            {"gpus": 8, "reshard_after_forward": False, "precision": "fp32"},
+            id="fp32-keep",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"gpus": 4, "grad_checkpointing": True, "grad_accum": 2},
+            id="ckpt-accum",
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["bf16", "amp-tied-uneven", "fp32-keep", "ckpt-accum"],
 )
 def test_fsdp2_owns_what_the_model_says(options: dict) -> None:
     options = dict(options)
