@@ -157,10 +157,12 @@ def test_fused_qkv_lora_defaults_and_suggestions_use_qkv_proj() -> None:
     "model,gpu,batch,seq,precision",
     [
         ("llama-3.2-1b", "h100", 8, 4096, "bf16"),
-        ("llama-3.2-1b", "h100", 6, 1024, "bf16"),
+        pytest.param("llama-3.2-1b", "h100", 6, 1024, "bf16", marks=pytest.mark.slow),
         ("gemma-2b", "h100", 4, 2048, "amp-bf16"),
         ("qwen2.5-0.5b", "a10g", 4, 2048, "bf16"),
-        ("smollm2-135m", "h200", 4097, 64, "bf16"),
+        # batch 4097 under `-m slow`; test_largest_batch_at_the_search_ceiling_says_at_least
+        # searches up to 2**20 by default
+        pytest.param("smollm2-135m", "h200", 4097, 64, "bf16", marks=pytest.mark.slow),
     ],
 )
 def test_largest_batch_is_where_advise_stops_fitting(model, gpu, batch, seq, precision) -> None:
@@ -302,7 +304,9 @@ def test_suggestions_that_drop_the_users_flce_chunk_say_so() -> None:
         assert rerun.peak_bytes == suggestion.peak_bytes and rerun.fits and suggestion.fits
 
 
-@pytest.mark.parametrize("lora_rank", [None, 8])
+# with LoRA under `-m slow`: test_advise_output.py's test_when_nothing_fits_the_closest_is_said_so
+# renders that advice's Why line by default
+@pytest.mark.parametrize("lora_rank", [None, pytest.param(8, marks=pytest.mark.slow)])
 def test_why_names_the_weights_when_they_alone_do_not_fit(lora_rank) -> None:
     """llama-3-70b on an L4: 131 GiB of bf16 weights. The Why line advised LoRA, with LoRA
     already on, and without it LoRA could not help either."""

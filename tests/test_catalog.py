@@ -542,6 +542,9 @@ def test_hub_failure_reason(monkeypatch, kind, status, reason):
     assert f"({reason}" in _one_line(error)
 
 
+# a process that imports transformers and asks a real (closed) port;
+# test_unreachable_hub_id_fails_after_one_request checks the message in this one
+@pytest.mark.slow
 def test_unreachable_hub_id_is_one_line_through_the_cli(tmp_path):
     # Nothing listens on port 9: the request is refused at once, with or without a network.
     env = {

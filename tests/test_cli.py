@@ -139,6 +139,9 @@ def test_an_unknown_model_name_is_a_usage_error(command) -> None:
     ]
 
 
+# Two processes that import transformers per case; test_catalog.py's
+# test_invalid_hub_id_makes_no_request checks the message in this one.
+@pytest.mark.slow
 @pytest.mark.parametrize("offline", ["0", "1"])
 def test_a_malformed_hub_id_is_a_usage_error(offline) -> None:
     """'org/bad name' is no repository id: refused before any request, offline or not, exit
@@ -155,6 +158,9 @@ def test_a_malformed_hub_id_is_a_usage_error(offline) -> None:
     assert run.stderr == "Error: no such file or folder: ckpt/run1/final\n"
 
 
+# Two processes, one of which imports transformers; tests/traced/test_advise.py's default run
+# checks a config transformers refuses (an unknown model_type) through the command line.
+@pytest.mark.slow
 def test_unknown_architecture(tmp_path) -> None:
     """A model_type without a family entry is traced from its transformers code (here a config
     transformers refuses: one Error line); --method analytic names the registry's families."""

@@ -4,6 +4,8 @@ every consumer's gradient summed by autograd. On CPU through the Triton interpre
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -40,10 +42,38 @@ def inputs(device, dtype, shape=(5, 123, 127), offset=0.0, seed=0):
     return residual, branch, weight
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
-@pytest.mark.parametrize("consumers", [1, pytest.param(2, marks=pytest.mark.slow), 3])
-@pytest.mark.parametrize("in_place", [True, False])
+# The default run takes each dtype with each norm, and one and three consumers, in place and not;
+# the other combinations run under `-m slow`.
+DEFAULT_ADD_NORM_CASES = {
+    (torch.float32, "llama", 1, False),
+    (torch.float32, "gemma", 3, True),
+    (torch.bfloat16, "llama", 3, True),
+    (torch.bfloat16, "gemma", 1, False),
+}
+
+
+@pytest.mark.parametrize(
+    "dtype, casting, offset, consumers, in_place",
+    [
+        pytest.param(
+            dtype,
+            casting,
+            offset,
+            consumers,
+            in_place,
+            marks=()
+            if (dtype, casting, consumers, in_place) in DEFAULT_ADD_NORM_CASES
+            else pytest.mark.slow,
+            id=f"{str(dtype).removeprefix('torch.')}-{casting}-{consumers}-{in_place}",
+        )
+        for dtype, (casting, offset), consumers, in_place in itertools.product(
+            [torch.float32, torch.bfloat16],
+            [("llama", 0.0), ("gemma", 1.0)],
+            [1, 2, 3],
+            [True, False],
+        )
+    ],
+)
 def test_add_rms_norm_matches_reference(device, dtype, casting, offset, consumers, in_place):
     residual, branch, weight = inputs(device, dtype, offset=offset)
     r, b, w = leaves(residual, branch, weight)

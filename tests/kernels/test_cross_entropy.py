@@ -67,7 +67,9 @@ def check_against_reference(logits, target, dtype, inplace_grad=False, **options
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 97), (7, 500), (37, 1000)])
+@pytest.mark.parametrize(
+    "shape", [(1, 97), (7, 500), pytest.param((37, 1000), marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_matches_reference(dtype, shape, option):
     logits, target = make_inputs(*shape, dtype)
@@ -75,14 +77,19 @@ def test_matches_reference(dtype, shape, option):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("option", ["plain", "all", "none", "num_items"])
+@pytest.mark.parametrize(
+    "option",
+    ["plain", "all", *(pytest.param(o, marks=pytest.mark.slow) for o in ("none", "num_items"))],
+)
 def test_inplace_grad_matches_reference(dtype, option):
     logits, target = make_inputs(37, 1000, dtype)
     check_against_reference(logits, target, dtype, inplace_grad=True, **OPTIONS[option])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("option", ["plain", "all", "none"])
+@pytest.mark.parametrize(
+    "option", ["all", *(pytest.param(o, marks=pytest.mark.slow) for o in ("plain", "none"))]
+)
 def test_vocab_loop_path(monkeypatch, dtype, option):
     """Rows longer than one block: the online-softmax loop and the reversed gradient loop, with a
     vocabulary that is not a multiple of the block."""
@@ -249,8 +256,15 @@ def test_backward_allocates_nothing_large(inplace_grad, reduction, new_storages)
         assert grad.untyped_storage().data_ptr() == inputs.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("inplace_grad", [False, True])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(
+    "inplace_grad, reduction",
+    [
+        (False, "mean"),
+        (True, "none"),
+        pytest.param(True, "mean", marks=pytest.mark.slow),
+        pytest.param(False, "none", marks=pytest.mark.slow),
+    ],
+)
 def test_torch_compile_fullgraph(inplace_grad, reduction):
     torch._dynamo.reset()
     logits, target = make_inputs(7, 97, torch.float32)
@@ -292,6 +306,7 @@ def test_bad_shapes_raise_usage_error():
         cross_entropy(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.int64))
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(
     n_rows=st.integers(1, 24),

@@ -86,7 +86,15 @@ def record_schedules(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 64, 97), (7, 96, 500), (37, 64, 1000)])
+# one row and 37 rows under `-m slow`; test_single_row checks one row by default
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((1, 64, 97), marks=pytest.mark.slow),
+        (7, 96, 500),
+        pytest.param((37, 64, 1000), marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_matches_reference_default_chunk(dtype, shape, option):
     x, w, b, target = make_inputs(*shape, dtype)
@@ -97,7 +105,10 @@ def test_matches_reference_default_chunk(dtype, shape, option):
 @pytest.mark.parametrize(
     "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
 )
-@pytest.mark.parametrize("chunk_size", [1, 5, 37, 64])
+# chunks of 37 and 64 (all the rows) under `-m slow`; test_schedules runs one chunk by default
+@pytest.mark.parametrize(
+    "chunk_size", [1, 5, *(pytest.param(c, marks=pytest.mark.slow) for c in (37, 64))]
+)
 @pytest.mark.parametrize("option", ["plain", "smoothing_softcap_z", "none"])
 def test_chunk_sizes(dtype, chunk_size, option):
     n_rows = 7 if chunk_size == 1 else 37  # chunk 1 runs one GEMM triple per row: keep it short
@@ -105,8 +116,15 @@ def test_chunk_sizes(dtype, chunk_size, option):
     check(x, w, b, target, dtype, chunk_size=chunk_size, **OPTIONS[option])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk_size", [None, 6])
+@pytest.mark.parametrize(
+    "dtype, chunk_size",
+    [
+        (torch.float32, None),
+        (torch.float32, 6),
+        (torch.bfloat16, None),
+        pytest.param(torch.bfloat16, 6, marks=pytest.mark.slow),
+    ],
+)
 def test_bias(dtype, chunk_size):
     x, w, b, target = make_inputs(37, 64, 500, dtype, bias=True)
     check(x, w, b, target, dtype, chunk_size=chunk_size, label_smoothing=0.1, softcap=5.0)
@@ -125,7 +143,8 @@ def test_bias_reduction_none():
     [
         (torch.bfloat16, {"chunk_size": 64}, "one_pass"),  # one chunk
         (torch.float32, {"chunk_size": 5}, "one_pass"),  # fp32 weight accumulates in dW
-        (torch.bfloat16, {"chunk_size": 5}, "two_pass"),
+        # the default run checks two_pass on bf16 chunks in test_schedule_of_reduction_none_backward
+        pytest.param(torch.bfloat16, {"chunk_size": 5}, "two_pass", marks=pytest.mark.slow),
         pytest.param(torch.bfloat16, {}, "two_pass", marks=pytest.mark.slow),  # formula chunk (2)
         (torch.bfloat16, {"memory_budget": 55_000}, "one_pass_fp32_acc"),  # chunk 32
         pytest.param(  # chunk 16, no accumulator
@@ -288,16 +307,21 @@ def test_bad_shapes_and_dtypes_raise_usage_error():
 # --- memory contract ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+CONTRACT_CASES = [
+    ("mean", False, True, True),
+    ("sum", True, True, True),
+    ("mean", False, True, False),
+    ("mean", False, False, True),
+    ("none", True, True, True),
+]
+
+
+# every case in fp32; in bf16 the last (bias, reduction "none"), the rest under `-m slow`
 @pytest.mark.parametrize(
-    "reduction, bias, x_grad, w_grad",
-    [
-        ("mean", False, True, True),
-        ("sum", True, True, True),
-        ("mean", False, True, False),
-        ("mean", False, False, True),
-        ("none", True, True, True),
-    ],
+    "dtype, reduction, bias, x_grad, w_grad",
+    [(torch.float32, *case) for case in CONTRACT_CASES]
+    + [(torch.bfloat16, *CONTRACT_CASES[-1])]
+    + [pytest.param(torch.bfloat16, *case, marks=pytest.mark.slow) for case in CONTRACT_CASES[:-1]],
 )
 def test_saved_bytes_match_contract(dtype, reduction, bias, x_grad, w_grad):
     """New bytes autograd keeps (unique storages other than the inputs) equal flce_saved_bytes."""

@@ -27,6 +27,40 @@ OPS = [
     (geglu, reference_geglu),
     (geglu_exact, reference_geglu_exact),
 ]
+OP_NAMES = ["swiglu", "geglu", "geglu_exact"]
+DTYPES = [torch.float32, torch.bfloat16]
+# (bias, in_place) of the down-projection cases
+DOWN_OPTIONS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+def matches_cases() -> list:
+    """Each op in each dtype in the default run, in place in half of them; the other half
+    under `-m slow`."""
+    return [
+        pytest.param(
+            op, reference, dtype, in_place,
+            marks=() if in_place == bool((i + j) % 2) else pytest.mark.slow,
+            id=f"{OP_NAMES[i]}-{str(dtype).removeprefix('torch.')}-{in_place}",
+        )
+        for i, (op, reference) in enumerate(OPS)
+        for j, dtype in enumerate(DTYPES)
+        for in_place in (False, True)
+    ]  # fmt: skip
+
+
+def down_projection_cases() -> list:
+    """Each op in each dtype in the default run, the four (bias, in_place) pairs spread over
+    them; the other 18 cases under `-m slow`."""
+    return [
+        pytest.param(
+            op, reference, dtype, bias, in_place,
+            marks=() if (bias, in_place) == DOWN_OPTIONS[(2 * i + j) % 4] else pytest.mark.slow,
+            id=f"{OP_NAMES[i]}-{str(dtype).removeprefix('torch.')}-{bias}-{in_place}",
+        )
+        for i, (op, reference) in enumerate(OPS)
+        for j, dtype in enumerate(DTYPES)
+        for bias, in_place in DOWN_OPTIONS
+    ]  # fmt: skip
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -48,9 +82,7 @@ def run_and_compare(op, reference, gate, up, dtype, in_place=False):
     return got
 
 
-@pytest.mark.parametrize("op,reference", OPS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("op, reference, dtype, in_place", matches_cases())
 def test_matches_reference(device, op, reference, dtype, in_place):
     torch.manual_seed(0)
     gate_leaf = (torch.randn(5, 123, 127, device=device) * 3).to(dtype).requires_grad_()
@@ -65,10 +97,7 @@ def test_matches_reference(device, op, reference, dtype, in_place):
     assert torch.equal(gate, gate_before) != in_place
 
 
-@pytest.mark.parametrize("op,reference", OPS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("op, reference, dtype, bias, in_place", down_projection_cases())
 def test_down_projection_recomputes_the_product(device, op, reference, dtype, bias, in_place):
     """op(gate, up, down=linear) == linear(op(gate, up)) in value and in all four gradients,
     with the product not saved (it is recomputed in backward)."""

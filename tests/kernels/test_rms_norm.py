@@ -174,7 +174,12 @@ def test_bad_arguments_raise_usage_errors():
         rms_norm(x, torch.ones(7), 1e-6)
 
 
-@pytest.mark.parametrize("n_rows", [28, 33, 4 * 2 * 132 + 5])
+# On the interpreter's 4 SMs, 28 and 33 rows take 7 programs (the last partial row single) and
+# 29 rows 8 (every partial row paired); 1061 rows (4 * 2 * 132 + 5), more programs than an H100's
+# 132 SMs, run under `-m slow`.
+@pytest.mark.parametrize(
+    "n_rows", [28, 29, 33, pytest.param(4 * 2 * 132 + 5, marks=pytest.mark.slow)]
+)
 def test_paired_partials_are_exact_and_deterministic(device, n_rows):
     """More backward programs than SMs: pairs of programs add into one zeroed partial row (odd
     program counts leave the last row single). dW matches the reference and repeats bit for
@@ -195,9 +200,21 @@ def test_paired_partials_are_exact_and_deterministic(device, n_rows):
     assert torch.equal(first, torch.autograd.grad(y, w, dy)[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
-@pytest.mark.parametrize("weight_from_cache", [False, True])
+# The default run takes each dtype with each norm, the weight read from the cache in one of the
+# two norms per dtype; the other four cases run under `-m slow`.
+@pytest.mark.parametrize(
+    "dtype, casting, offset, weight_from_cache",
+    [
+        (torch.float32, "llama", 0.0, False),
+        (torch.float32, "gemma", 1.0, True),
+        (torch.bfloat16, "llama", 0.0, True),
+        (torch.bfloat16, "gemma", 1.0, False),
+        pytest.param(torch.float32, "llama", 0.0, True, marks=pytest.mark.slow),
+        pytest.param(torch.float32, "gemma", 1.0, False, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, "llama", 0.0, False, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, "gemma", 1.0, True, marks=pytest.mark.slow),
+    ],
+)
 def test_one_row_per_step_backward(device, monkeypatch, dtype, casting, offset, weight_from_cache):
     """The backward with one row per loop step (its configuration from hidden 4096 up; from
     16384 up also reloading the weight per row), forced here on a small odd hidden size, with

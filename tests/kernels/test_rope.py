@@ -61,9 +61,21 @@ def run_and_compare(q_proj, k_proj, views, cos, sin, dtype, unsqueeze_dim=1):
         assert rel(g, w) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cos_batch", [1, 2])
-@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+# The default run takes each dtype with each cos batch and each layout; the other four cases run
+# under `-m slow`.
+@pytest.mark.parametrize(
+    "dtype, cos_batch, unsqueeze_dim",
+    [
+        (torch.float32, 1, 1),
+        (torch.float32, 2, 2),
+        (torch.bfloat16, 1, 2),
+        (torch.bfloat16, 2, 1),
+        pytest.param(torch.float32, 1, 2, marks=pytest.mark.slow),
+        pytest.param(torch.float32, 2, 1, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, 1, 1, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, 2, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_matches_hf(device, dtype, cos_batch, unsqueeze_dim):
     torch.manual_seed(0)
     batch, seq, n_q, n_kv, head_dim = 2, 13, 6, 2, 18  # GQA, odd seq, head_dim not 2^k
@@ -202,10 +214,12 @@ def test_bad_shapes_raise_usage_errors():
         rope(q, k, torch.randn(1, 3, 8), torch.randn(1, 3, 8), unsqueeze_dim=3)
 
 
+# in place on the (B, S, H, D) layout (unsqueeze_dim 2) under `-m slow`; test_matches_hf takes
+# that layout by default
 @pytest.mark.parametrize(
     "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
 )
-@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("unsqueeze_dim", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_in_place_matches_hf_and_allocates_nothing(device, dtype, unsqueeze_dim):
     """in_place=True: the outputs are q and k themselves, values and gradients as HF's."""
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 
 import memplan.patching as mp
 
-from .tiny_models import batch, build, lockstep, pair, rel_err
+from .tiny_models import FAMILIES, batch, build, lockstep, pair, rel_err
 
 # Triton's CPU interpreter casts fp32 -> bf16 by truncation, not round-to-nearest (measured with
 # triton 3.9: half of the values differ from torch's cast, all toward zero), which doubles the
@@ -20,6 +20,14 @@ from .tiny_models import batch, build, lockstep, pair, rel_err
 GRAD_ERROR_FACTOR = 4.0 if os.environ.get("TRITON_INTERPRET") == "1" else 1.5
 
 
+def families(default: str) -> list:
+    """Every family as a parameter: `default` in the default run, the rest under `-m slow`."""
+    return [f if f == default else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+
+
+# gemma2 by default: GeGLU, softcaps, sliding windows and sandwich norms; llama's and phi3's
+# layers train against HF in fp32 in test_residual_fusion.py's default run too
+@pytest.mark.parametrize("family", families("gemma2"))
 def test_training_matches_hf_fp32(family):
     reference, patched = pair(family, torch.float32)
     applied = mp.apply(patched)
@@ -33,6 +41,7 @@ def test_training_matches_hf_fp32(family):
     assert rel_err(final_patched, final_ref) <= 3e-4
 
 
+@pytest.mark.parametrize("family", families("llama"))
 def test_training_matches_hf_bf16(family):
     """bf16, one AdamW step: the loss within 1e-2 of HF's before and after; gradients judged
     against an fp32 reference, as HF bf16's own gradients are: memplan's error may be at most
@@ -93,7 +102,7 @@ def test_training_with_labels_returns_loss_without_logits():
     assert out.loss.requires_grad and out.loss.dtype == torch.float32
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_tuple_output_keeps_the_cache_slot_hf_fills_in_training(family):
     """In training HF builds a cache (config.use_cache) and its tuple holds it before the
     hidden states; memplan turns that cache off, which moved the hidden states one slot left

@@ -19,10 +19,16 @@ from memplan.patching.specs import SPECS
 from .tiny_models import assert_grads_close, batch, build, lockstep, pair, rel_err, tiny_config
 
 
+# LoRA on every linear of llama under `-m slow`; test_patch_applied_before_peft_survives_wrapping
+# checks LoRA with FLCE by default
 @pytest.mark.parametrize(
     ("family", "targets"),
     [
-        ("llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        pytest.param(
+            "llama",
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            marks=pytest.mark.slow,
+        ),
         ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]),
     ],
 )
@@ -242,6 +248,9 @@ def test_auto_plan_asks_the_advisor_for_this_model():
     assert applied.flce_chunk == expected.flce_chunk
 
 
+# torch.compile of a whole model (about 5 s); the default run compiles memplan's custom ops in
+# tests/kernels (test_torch_compile_fullgraph in test_flce.py and test_cross_entropy.py)
+@pytest.mark.slow
 def test_patched_model_compiles_without_graph_breaks():
     """torch.compile traces the instance forwards and memplan's custom ops (their fake
     implementations) in one graph; aot_eager runs the real kernels."""

@@ -95,7 +95,7 @@ def test_tied_embeddings_get_both_gradients():
     assert_grads_close(reference, patched, 1e-5)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_moe_aux_loss_is_added_as_hf_does(family):
     reference, patched = pair(family)
     mp.apply(patched)

@@ -92,15 +92,22 @@ def test_lora_targets_default_to_peft_s_and_bad_ones_are_named(tmp_path) -> None
         advisor.advise(path, 2, 32, gpu=GPU, lora_rank=4, lora_targets="q_proj")
 
 
+# Each case starts a process that imports transformers (about 5 s): the unknown model_type by
+# default, the other two under `-m slow`.
 @pytest.mark.parametrize(
     "config,message",
     [
         ({"model_type": "not-a-model", "hidden_size": 8}, "is not known to the installed"),
-        (
+        pytest.param(
             {"model_type": "not-a-model", "auto_map": {"AutoConfig": "x.Config"}},
             "runs only with --trust-remote-code",
+            marks=pytest.mark.slow,
         ),
-        ({**tiny("gpt2"), "n_embd": 66}, "transformers could not build gpt2 from this config"),
+        pytest.param(
+            {**tiny("gpt2"), "n_embd": 66},
+            "transformers could not build gpt2 from this config",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_bad_input_is_one_error_line(tmp_path, config: dict, message: str) -> None:
@@ -110,6 +117,9 @@ def test_bad_input_is_one_error_line(tmp_path, config: dict, message: str) -> No
     assert message in run.stderr
 
 
+# a process that imports transformers (about 5 s); test_bad_input_is_one_error_line's default
+# case checks the traced path's one Error line
+@pytest.mark.slow
 def test_code_that_reads_tensor_values_is_one_error_line(tmp_path) -> None:
     """A model whose forward branches on a tensor's value cannot run on meta tensors."""
     code = (
@@ -144,6 +154,9 @@ def test_without_transformers_the_traced_path_says_so(tmp_path) -> None:
     assert run.returncode == 0, run.stderr
 
 
+# a process that imports transformers; test_unknown_model_type_is_traced_and_says_so checks the
+# same traced advice in this one
+@pytest.mark.slow
 def test_cli_prints_the_traced_plan(tmp_path) -> None:
     run = memplan(
         "advise",

@@ -83,6 +83,9 @@ def test_contracts_agree_with_the_traced_step(family: str, options: dict) -> Non
     assert result.agrees(1.0), [(r.what, round(r.difference_pct, 3)) for r in result.rows]
 
 
+# two processes that import transformers (about 5 s each); the comparison they print is
+# test_contracts_agree_with_the_traced_step's
+@pytest.mark.slow
 def test_check_contracts_command(tmp_path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(small_spec("llama").hf_config))

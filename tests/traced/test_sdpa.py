@@ -81,16 +81,24 @@ def probe_bytes(saved: list[dict]) -> int:
     )
 
 
-def cases(name: str, every: int = 1) -> list[str]:
+def cases(name: str, every: int = 1, default_every: int = 1) -> list:
+    """Every `every`-th case of the probe; of those, every `default_every`-th in the default run
+    and the others under `-m slow`."""
     probe = json.loads((DATA / name).read_text())
-    names = [c for c, v in probe["saved"].items() if not isinstance(v, dict)]
-    return [pytest.param(name, c, id=c) for c in names[::every]]
+    names = [c for c, v in probe["saved"].items() if not isinstance(v, dict)][::every]
+    return [
+        pytest.param(name, c, id=c, marks=() if i % default_every == 0 else pytest.mark.slow)
+        for i, c in enumerate(names)
+    ]
 
 
+# The plain probe lists four setups per family (bf16 SDPA and eager, fp32, amp-bf16): every
+# third case by default takes each setup over the families in turn.
 @RECORDED_RELEASE
 @pytest.mark.parametrize(
     "name,case",
-    cases("saved_cuda_probe.json") + cases("saved_cuda_probe_lora.json", every=5),
+    cases("saved_cuda_probe.json", default_every=3)
+    + cases("saved_cuda_probe_lora.json", every=5, default_every=2),
 )
 def test_forward_saves_what_the_h200_saved(name: str, case: str) -> None:
     probe = json.loads((DATA / name).read_text())

@@ -19,6 +19,19 @@ import bench_e2e  # noqa: E402
 import measure_grid  # noqa: E402
 
 
+@pytest.fixture(
+    params=["qwen3-0.6b batch 4", pytest.param("whole grid", marks=pytest.mark.slow)],
+)
+def grid(request, monkeypatch) -> None:
+    """The GRID that grid_cases plans: by default only its qwen3-0.6b rows at batch 4 (planning
+    all of it takes about 20 s), under `-m slow` all of it."""
+    if request.param == "qwen3-0.6b batch 4":
+        rows = [c for c in measure_grid.GRID if (c.model, c.batch) == ("qwen3-0.6b", 4)]
+        monkeypatch.setattr(measure_grid, "GRID", rows)
+
+
+# plans every case of the grid; the run tests below plan its qwen3-0.6b rows at batch 4
+@pytest.mark.slow
 def test_grid_has_every_setup_twice_half_with_kernels():
     cases = measure_grid.grid_cases(steps=3, only=None)
     assert len(cases) >= 36
@@ -34,7 +47,7 @@ def test_grid_has_every_setup_twice_half_with_kernels():
     assert any(c.hf_config["num_hidden_layers"] == 4 for c, _ in cases)
 
 
-def test_grid_run_saves_every_case_and_writes_the_report(monkeypatch, tmp_path):
+def test_grid_run_saves_every_case_and_writes_the_report(grid, monkeypatch, tmp_path):
     monkeypatch.setattr(runner, "launch", FakeLauncher(lambda case: ok_result(20.0, 15.0)))
     cases = measure_grid.grid_cases(steps=3, only="qwen3-0.6b_b4_s1024_bf16_(hf|rms)")
     results = tmp_path / measure_grid.RESULTS
@@ -47,7 +60,7 @@ def test_grid_run_saves_every_case_and_writes_the_report(monkeypatch, tmp_path):
     assert "| none | 1 |" in (tmp_path / measure_grid.REPORT).read_text()
 
 
-def test_grid_budget_stops_new_cases(monkeypatch, tmp_path, capsys):
+def test_grid_budget_stops_new_cases(grid, monkeypatch, tmp_path, capsys):
     launcher = FakeLauncher(lambda case: ok_result())
     monkeypatch.setattr(runner, "launch", launcher)
     cases = measure_grid.grid_cases(steps=3, only="qwen3-0.6b")
