@@ -43,6 +43,12 @@ def case_name(model: str, setup: TrainSetup, *, liger: bool = False) -> str:
         parts.append(f"acc{setup.grad_accum}")
     if setup.expandable_segments:
         parts.append("expandable")
+    if setup.strategy is not None:
+        parts.append(f"{setup.strategy}x{setup.gpus}")
+        if not setup.reshard_after_forward:
+            parts.append("keep")
+        if setup.cpu_offload:
+            parts.append("offload")
     if liger:
         parts.append("liger")
     elif setup.kernels:

@@ -50,6 +50,8 @@ def test_case_names():
         "org--model_b2_s512_amp-bf16_gc_eager_lora8-q_proj+v_proj_rms+flce_chunk1024"
     )
     assert case_name("m", TrainSetup(batch=1, seq=8), liger=True) == "m_b1_s8_bf16_liger"
+    sharded = TrainSetup(batch=1, seq=8, strategy="fsdp2", gpus=64, reshard_after_forward=False)
+    assert case_name("m", sharded) == "m_b1_s8_bf16_fsdp2x64_keep_hf"
 
 
 def test_plan_overrides_kernels_micro_batch_and_checkpointing():

@@ -1,0 +1,297 @@
+"""Rank 0's memory under FSDP2 and DDP, measured on one GPU (docs/distributed.md): 30 cases of
+world sizes 2 to 64, with and without resharding after forward, bf16 and amp, kernels off and
+the advisor's plan, checkpointing, accumulation, a dense, a tied and an MoE family; and the
+mission's gemma-7b batch 8 x 4096 at the FSDP2 count advise gives and one fewer.
+
+    python benchmarks/measure_distributed.py predict --gpu h100 --out PREDICTIONS.json
+    python benchmarks/measure_distributed.py measure PREDICTIONS.json --out-dir DIR [--only RE]
+    python benchmarks/measure_distributed.py table PREDICTIONS.json RESULTS.json
+
+`predict` needs no GPU: it writes every case with rank 0's allocated peak, step-1 peak and
+verdict predicted for the catalog GPU, before anything is measured (the first predictions).
+`measure` runs each in a fresh process (`memplan verify`'s child: FSDP2 over a fake process
+group of N ranks, DDP over one real rank) and writes DIR/distributed_results.json after every
+case. `table` prints the first predictions against the measurements, as markdown."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from memplan.advisor import advise, judge  # noqa: E402
+from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
+from memplan.schema import Report, VerifyCase  # noqa: E402
+from memplan.verify.predict import with_layers  # noqa: E402
+from memplan.verify.protocol import case_name  # noqa: E402
+
+# (model, decoder layers kept (None: all), kernels "auto"|"none", setup fields)
+CASES: list[tuple[str, int | None, str, dict[str, Any]]] = [
+    ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 2}),
+    ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 4}),
+    ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 8}),
+    ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 64}),
+    (
+        "llama-3.2-1b",
+        None,
+        "none",
+        {"batch": 4, "strategy": "fsdp2", "gpus": 8, "reshard_after_forward": False},
+    ),
+    (
+        "llama-3.2-1b",
+        None,
+        "none",
+        {"batch": 4, "strategy": "fsdp2", "gpus": 8, "precision": "amp-bf16"},
+    ),
+    ("llama-3.2-1b", None, "auto", {"batch": 4, "strategy": "fsdp2", "gpus": 8}),
+    (
+        "llama-3.2-1b",
+        None,
+        "auto",
+        {"batch": 4, "strategy": "fsdp2", "gpus": 8, "precision": "amp-bf16"},
+    ),
+    (
+        "llama-3.2-1b",
+        None,
+        "none",
+        {"batch": 8, "strategy": "fsdp2", "gpus": 8, "grad_checkpointing": True},
+    ),
+    (
+        "llama-3.2-1b",
+        None,
+        "none",
+        {
+            "batch": 8,
+            "strategy": "fsdp2",
+            "gpus": 64,
+            "precision": "amp-bf16",
+            "grad_checkpointing": True,
+        },
+    ),
+    ("llama-3.2-1b", None, "none", {"batch": 2, "strategy": "fsdp2", "gpus": 4, "grad_accum": 2}),
+    ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "ddp", "gpus": 8}),
+    (
+        "llama-3.2-1b",
+        None,
+        "none",
+        {"batch": 4, "strategy": "ddp", "gpus": 8, "precision": "amp-bf16"},
+    ),
+    ("llama-3.2-1b", None, "auto", {"batch": 4, "strategy": "ddp", "gpus": 8}),
+    (
+        "llama-3.2-1b",
+        None,
+        "none",
+        {"batch": 8, "strategy": "ddp", "gpus": 2, "grad_checkpointing": True},
+    ),
+    ("qwen3-0.6b", None, "none", {"batch": 8, "strategy": "fsdp2", "gpus": 2}),
+    ("qwen3-0.6b", None, "auto", {"batch": 8, "strategy": "fsdp2", "gpus": 16}),
+    (
+        "qwen3-0.6b",
+        None,
+        "auto",
+        {
+            "batch": 8,
+            "strategy": "fsdp2",
+            "gpus": 8,
+            "precision": "amp-bf16",
+            "grad_checkpointing": True,
+        },
+    ),
+    (
+        "qwen3-0.6b",
+        None,
+        "none",
+        {"batch": 4, "strategy": "fsdp2", "gpus": 64, "reshard_after_forward": False},
+    ),
+    ("qwen3-0.6b", None, "auto", {"batch": 8, "strategy": "ddp", "gpus": 4}),
+    (
+        "llama-3.1-8b",
+        None,
+        "none",
+        {"batch": 1, "strategy": "fsdp2", "gpus": 8, "grad_checkpointing": True},
+    ),
+    (
+        "llama-3.1-8b",
+        None,
+        "auto",
+        {
+            "batch": 1,
+            "strategy": "fsdp2",
+            "gpus": 4,
+            "precision": "amp-bf16",
+            "grad_checkpointing": True,
+        },
+    ),
+    ("qwen3-30b-a3b", 4, "none", {"batch": 2, "strategy": "fsdp2", "gpus": 8}),
+    (
+        "qwen3-30b-a3b",
+        4,
+        "none",
+        {"batch": 2, "strategy": "fsdp2", "gpus": 8, "reshard_after_forward": False},
+    ),
+    (
+        "qwen3-30b-a3b",
+        4,
+        "none",
+        {"batch": 2, "strategy": "fsdp2", "gpus": 64, "precision": "amp-bf16"},
+    ),
+    ("qwen3-30b-a3b", 4, "none", {"batch": 2, "strategy": "ddp", "gpus": 8}),
+    ("gemma-2b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 4}),
+    (
+        "gemma-2b",
+        None,
+        "auto",
+        {"batch": 4, "strategy": "fsdp2", "gpus": 4, "precision": "amp-bf16"},
+    ),
+    (
+        "gemma-2b",
+        None,
+        "none",
+        {"batch": 8, "strategy": "fsdp2", "gpus": 8, "grad_checkpointing": True},
+    ),
+    ("gemma-2b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 2, "grad_accum": 2}),
+]
+SEQ = 2048
+
+
+def planned(model: str, layers: int | None, kernels: str, fields: dict[str, Any], gpu: Any):
+    spec = resolve_model(model)
+    if layers is not None:
+        spec = with_layers(spec, layers)
+    options = {"seq": SEQ, **fields}
+    batch, seq = options.pop("batch"), options.pop("seq")
+    setup = advise(spec, batch, seq, gpu=gpu, kernels=kernels, **options).setup
+    return spec, setup
+
+
+def gemma_7b_cases(gpu: Any) -> list[tuple[Any, Any]]:
+    """gemma-7b, batch 8 x 4096 a rank: FSDP2 at the count advise gives (with the change it
+    names) and at one fewer."""
+    advice = advise("gemma-7b", 8, 4096, gpu=gpu)
+    option = next(c for c in advice.gpu_counts if c.strategy == "fsdp2")
+    assert option.gpus is not None, option.why_none
+    spec = resolve_model("gemma-7b")
+    setup = advice.setup.model_copy(
+        update={
+            "strategy": "fsdp2",
+            "grad_checkpointing": advice.setup.grad_checkpointing
+            or "checkpointing" in option.change,
+        }
+    )
+    counts = [option.gpus] + ([option.gpus - 1] if option.gpus > 1 else [])
+    return [(spec, setup.model_copy(update={"gpus": n})) for n in counts]
+
+
+def predict(args: argparse.Namespace) -> int:
+    gpu = resolve_gpu(args.gpu)
+    runs = [planned(*case, gpu) for case in CASES] + gemma_7b_cases(gpu)
+    out = []
+    for spec, setup in runs:
+        judged = judge(spec, setup, gpu)
+        assert judged.reserved is not None
+        case = VerifyCase(
+            case=case_name(spec.name or spec.model_type, setup),
+            model=spec.name or spec.model_type,
+            model_type=spec.model_type,
+            hf_config=spec.hf_config,
+            setup=setup,
+        )
+        out.append(
+            {
+                "case": case.model_dump(mode="json"),
+                "gpu": gpu.name,
+                "capacity_bytes": gpu.capacity,
+                "allocated_bytes": judged.peak_bytes,
+                "step1_bytes": judged.peak_step1_bytes,
+                "peak_at": f"{judged.peak_phase}: {judged.peak_label}",
+                "runs": judged.reserved.runs,
+                "reserved_bytes": judged.reserved.reserved_bytes,
+            }
+        )
+        print(
+            f"{case.case}: {judged.peak_bytes / 2**30:.2f} GiB allocated, "
+            f"{'runs' if judged.reserved.runs else 'out of memory'}",
+            flush=True,
+        )
+    Path(args.out).write_text(json.dumps({"gpu": args.gpu, "cases": out}, indent=1) + "\n")
+    return 0
+
+
+def measure(args: argparse.Namespace) -> int:
+    from memplan.verify.runner import run_case
+
+    predictions = json.loads(Path(args.predictions).read_text())["cases"]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(label="rank 0 of FSDP2 (fake process group) and DDP (one rank), one GPU")
+    for item in predictions:
+        case = VerifyCase.model_validate(item["case"])
+        if args.only and not re.search(args.only, case.case):
+            continue
+        m = run_case(case, timeout_s=args.timeout)
+        report.measurements.append(m)
+        print(f"{case.case}: {m.status} {m.error or ''} {m.error_pct}", flush=True)
+        (out / "distributed_results.json").write_text(report.model_dump_json(indent=1))
+    return 0
+
+
+def table(args: argparse.Namespace) -> int:
+    predictions = {
+        c["case"]["case"]: c for c in json.loads(Path(args.predictions).read_text())["cases"]
+    }
+    report = Report.model_validate_json(Path(args.results).read_text())
+    print("| case | first prediction GiB | measured GiB | error | verdict predicted | ran |")
+    print("|---|---:|---:|---:|---|---|")
+    errors = []
+    for m in report.measurements:
+        p = predictions[m.case]
+        ran = m.status == "ok"
+        error = None
+        if ran and m.peak_bytes:
+            error = 100 * (p["allocated_bytes"] - m.peak_bytes) / m.peak_bytes
+            errors.append(abs(error))
+        measured = (
+            f"{m.peak_bytes / 2**30:.2f}"
+            if ran and m.peak_bytes
+            else f"{m.status} {(m.oom_above_bytes or 0) / 2**30:.2f}"
+        )
+        print(
+            f"| {m.case} | {p['allocated_bytes'] / 2**30:.2f} | {measured} "
+            f"| {'—' if error is None else f'{error:+.2f}%'} "
+            f"| {'runs' if p['runs'] else 'out of memory'} | {'yes' if ran else 'no'} |"
+        )
+    if errors:
+        print(
+            f"\nFirst predictions: median |error| {statistics.median(errors):.2f}%, "
+            f"max {max(errors):.2f}% over {len(errors)} cases that ran."
+        )
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("predict")
+    p.add_argument("--gpu", default="h100")
+    p.add_argument("--out", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("predictions")
+    m.add_argument("--out-dir", required=True)
+    m.add_argument("--only")
+    m.add_argument("--timeout", type=float, default=600)
+    t = sub.add_parser("table")
+    t.add_argument("predictions")
+    t.add_argument("results")
+    args = parser.parse_args()
+    return {"predict": predict, "measure": measure, "table": table}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
