@@ -105,6 +105,21 @@ def test_freed_neighbours_merge_and_best_fit_takes_the_smallest_block() -> None:
     assert allocator.reserved == 70 * MIB
 
 
+def test_a_block_freed_on_one_stream_serves_only_that_stream() -> None:
+    """FSDP2's all-gather buffers come from a stream of their own: the default stream's
+    requests reserve new segments beside them, and the cache release before out of memory
+    frees any stream's wholly free segments."""
+    allocator = CachingAllocator(AllocatorSettings(capacity=100 * MIB))
+    gathered = allocator.malloc(30 * MIB, stream=1)
+    allocator.free(gathered)
+    on_default = allocator.malloc(30 * MIB)
+    assert on_default.ptr != gathered.ptr and allocator.reserved == 60 * MIB
+    assert allocator.malloc(30 * MIB, stream=1).ptr == gathered.ptr
+    allocator.free(on_default)
+    allocator.malloc(60 * MIB, stream=2)  # only fits once the default stream's cache goes
+    assert allocator.reserved == 90 * MIB
+
+
 def test_out_of_memory_releases_the_cache_first() -> None:
     allocator = CachingAllocator(AllocatorSettings(capacity=40 * MIB))
     allocator.free(allocator.malloc(30 * MIB))

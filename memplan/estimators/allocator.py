@@ -16,7 +16,9 @@ What it follows, as the allocator does it:
   whose mapped pages (2 MiB small, 20 MiB large) grow at the lowest address with room, blocks
   always split, and out of memory first unmaps the free pages of every cached block.
 
-Not modelled: several streams, CUDA graphs' private pools, max_split_size_mb,
+Streams: each stream has pools of its own (a block freed on one stream serves only that
+stream's requests), as FSDP2's all-gather and reduce-scatter buffers are kept apart from the
+default stream's. Not modelled: CUDA graphs' private pools, max_split_size_mb,
 roundup_power2_divisions and garbage_collection_threshold (the advisor refuses those settings).
 Pure Python, no torch."""
 
@@ -61,13 +63,16 @@ def segment_size(size: int) -> int:
 
 
 class Block:
-    __slots__ = ("size", "ptr", "prev", "next", "allocated", "mapped", "small", "segment")
+    __slots__ = ("size", "ptr", "prev", "next", "allocated", "mapped", "small", "segment", "stream")
 
-    def __init__(self, size: int, ptr: int, small: bool, segment: _Expandable | None) -> None:
+    def __init__(
+        self, size: int, ptr: int, small: bool, segment: _Expandable | None, stream: int = 0
+    ) -> None:
         self.size = size
         self.ptr = ptr
         self.small = small
         self.segment = segment  # the expandable segment the block lies in, else None
+        self.stream = stream
         self.prev: Block | None = None
         self.next: Block | None = None
         self.allocated = False
@@ -81,8 +86,9 @@ class Block:
 class _Pool:
     """Cached free blocks ordered by (size, address), and unmapped ranges by address."""
 
-    def __init__(self, small: bool) -> None:
+    def __init__(self, small: bool, stream: int = 0) -> None:
         self.small = small
+        self.stream = stream
         self.keys: list[tuple[int, int]] = []
         self.blocks: dict[tuple[int, int], Block] = {}
         self.unmapped: list[tuple[int, int]] = []  # (address, id) of unmapped blocks
@@ -133,8 +139,8 @@ class AllocatorSettings:
 class CachingAllocator:
     def __init__(self, settings: AllocatorSettings = AllocatorSettings()) -> None:
         self.settings = settings
-        self.pools = {True: _Pool(True), False: _Pool(False)}
-        self.expandable: dict[bool, list[_Expandable]] = {True: [], False: []}
+        self.pools: dict[tuple[int, bool], _Pool] = {}
+        self.expandable: dict[tuple[int, bool], list[_Expandable]] = {}
         self.segments: dict[int, Block] = {}  # classic segments by base address
         self.allocated = 0
         self.reserved = 0
@@ -146,10 +152,17 @@ class CachingAllocator:
 
     # ------------------------------------------------------------------ public
 
-    def malloc(self, nbytes: int) -> Block:
+    def pool(self, stream: int, small: bool) -> _Pool:
+        key = (stream, small)
+        if key not in self.pools:
+            self.pools[key] = _Pool(small, stream)
+            self.expandable[key] = []
+        return self.pools[key]
+
+    def malloc(self, nbytes: int, stream: int = 0) -> Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        pool = self.pools[small]
+        pool = self.pool(stream, small)
         block = self._free_block(pool, size)
         if block is None:
             block = self._new_block(pool, size)
@@ -168,7 +181,7 @@ class CachingAllocator:
     def free(self, block: Block) -> None:
         block.allocated = False
         self.allocated -= block.size
-        pool = self.pools[block.small]
+        pool = self.pools[(block.stream, block.small)]
         for neighbour in (block.prev, block.next):
             self._merge(pool, block, neighbour)
         pool.insert(block)
@@ -213,7 +226,7 @@ class CachingAllocator:
 
     def _split(self, pool: _Pool, block: Block, size: int) -> Block:
         """The first `size` bytes of `block` as a new block; the rest stays cached."""
-        head = Block(size, block.ptr, block.small, block.segment)
+        head = Block(size, block.ptr, block.small, block.segment, block.stream)
         head.prev, head.next = block.prev, block
         if block.prev is not None:
             block.prev.next = head
@@ -258,7 +271,7 @@ class CachingAllocator:
         if not self._fits(nbytes):
             return None
         self._next_address -= nbytes + ROUND_LARGE  # segments never touch: no merges across
-        block = Block(nbytes, self._next_address, pool.small, None)
+        block = Block(nbytes, self._next_address, pool.small, None, pool.stream)
         self.segments[block.ptr] = block
         self._reserve(nbytes)
         return block
@@ -303,8 +316,8 @@ class CachingAllocator:
         pages = -(-(memory + memory // 8) // page)
         self._next_address -= pages * page + page
         segment = _Expandable(self._next_address, page, pages)
-        self.expandable[pool.small].append(segment)
-        block = Block(pages * page, segment.base, pool.small, segment)
+        self.expandable[(pool.stream, pool.small)].append(segment)
+        block = Block(pages * page, segment.base, pool.small, segment, pool.stream)
         block.mapped = False
         pool.insert_unmapped(block)
         return block
@@ -322,7 +335,9 @@ class CachingAllocator:
         pool.remove_unmapped(block)
         block.mapped = True
         if nbytes < block.size:
-            rest = Block(block.size - nbytes, block.ptr + nbytes, block.small, segment)
+            rest = Block(
+                block.size - nbytes, block.ptr + nbytes, block.small, segment, block.stream
+            )
             rest.mapped = False
             rest.prev, rest.next = block, block.next
             if block.next is not None:
@@ -349,14 +364,14 @@ class CachingAllocator:
         pool.remove(block)
         before, after = start - block.ptr, block.ptr + block.size - end
         if before:
-            head = Block(before, block.ptr, block.small, segment)
+            head = Block(before, block.ptr, block.small, segment, block.stream)
             head.prev, head.next = block.prev, block
             if block.prev is not None:
                 block.prev.next = head
             block.prev = head
             pool.insert(head)
         if after:
-            tail = Block(after, end, block.small, segment)
+            tail = Block(after, end, block.small, segment, block.stream)
             tail.prev, tail.next = block, block.next
             if block.next is not None:
                 block.next.prev = tail
@@ -392,7 +407,7 @@ def replay(events: Iterable[Event], settings: AllocatorSettings) -> ReplayResult
     for index, event in enumerate(events):
         if event.action == "alloc":
             try:
-                blocks[event.tensor] = allocator.malloc(event.nbytes)
+                blocks[event.tensor] = allocator.malloc(event.nbytes, event.stream)
             except AllocatorOutOfMemory:
                 return ReplayResult(
                     allocator.peak_allocated, allocator.peak_reserved, index, reserved_at

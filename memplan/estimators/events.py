@@ -25,6 +25,7 @@ class Event:
     category: str
     phase: str
     label: str
+    stream: int = 0  # the CUDA stream it is allocated on (0: the default stream)
 
 
 @dataclass
@@ -33,18 +34,21 @@ class EventLog:
 
     events: list[Event] = field(default_factory=list)
     _sizes: dict[int, tuple[int, str]] = field(default_factory=dict)
+    _streams: dict[int, int] = field(default_factory=dict)
     _next: int = 0
 
-    def alloc(self, nbytes: int, category: str, phase: str, label: str) -> int:
+    def alloc(self, nbytes: int, category: str, phase: str, label: str, stream: int = 0) -> int:
         tensor = self._next
         self._next += 1
         self._sizes[tensor] = (nbytes, category)
-        self.events.append(Event("alloc", tensor, nbytes, category, phase, label))
+        self._streams[tensor] = stream
+        self.events.append(Event("alloc", tensor, nbytes, category, phase, label, stream))
         return tensor
 
     def free(self, tensor: int, phase: str, label: str) -> None:
         nbytes, category = self._sizes.pop(tensor)
-        self.events.append(Event("free", tensor, nbytes, category, phase, label))
+        stream = self._streams.pop(tensor)
+        self.events.append(Event("free", tensor, nbytes, category, phase, label, stream))
 
     def retag(self, tensor: int, category: str) -> None:
         """Count a live allocation under another category from now on."""

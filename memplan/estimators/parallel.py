@@ -23,6 +23,11 @@ from memplan.estimators.params import lora_shapes, lora_targets_modelled
 from memplan.schema import ModelSpec, TrainSetup
 
 MIB = 2**20
+# The CUDA streams FSDP2 allocates on beside the default one: the all-gather copy-in stream
+# (copy-ins and all-gather outputs) and the reduce-scatter stream (the reduced shards and
+# their casts: the sharded gradients).
+ALL_GATHER_STREAM = 1
+REDUCE_SCATTER_STREAM = 2
 # DDP's reducer: the first bucket closes at 1 MiB, the others at 25 MiB (torch's defaults,
 # which accelerate does not change); a bucket closes once it reaches its cap.
 DDP_FIRST_BUCKET = 1 * MIB
@@ -261,9 +266,12 @@ class Fsdp2(OneGpu):
         copy_in = builder.alloc(
             category,
             sum(p.shard(self.ranks) * p.computed for p in group.params) if casting else 0,
+            ALL_GATHER_STREAM,
         )
         output = builder.alloc(
-            category, sum(self.ranks * p.shard(self.ranks) * p.computed for p in group.params)
+            category,
+            sum(self.ranks * p.shard(self.ranks) * p.computed for p in group.params),
+            ALL_GATHER_STREAM,
         )
         builder.free(copy_in)
         return output
@@ -363,9 +371,9 @@ class Fsdp2(OneGpu):
         builder.free_all(live.gradients[i] for i in reversed(order[:-1]))
         shard_elements = sum(p.shard(self.ranks) for p in trainable)
         computed, stored = trainable[0].computed, trainable[0].stored
-        output = builder.alloc("gradients", shard_elements * computed)
+        output = builder.alloc("gradients", shard_elements * computed, REDUCE_SCATTER_STREAM)
         if stored != computed:
-            cast = builder.alloc("gradients", shard_elements * stored)
+            cast = builder.alloc("gradients", shard_elements * stored, REDUCE_SCATTER_STREAM)
             builder.free(output)
             output = cast
         if run.gradients_by_group.get(group) is not None:  # accumulated in place

@@ -247,13 +247,13 @@ class StepBuilder:
         self.walk = Walk()
         return self.walk
 
-    def alloc(self, category: str, nbytes: int) -> int | None:
-        """An allocation of `nbytes` (None for nothing)."""
+    def alloc(self, category: str, nbytes: int, stream: int = 0) -> int | None:
+        """An allocation of `nbytes` (None for nothing) on `stream` (0: the default)."""
         if nbytes <= 0:
             return None
         self.alive[category] = self.alive.get(category, 0) + -(-int(nbytes) // 512) * 512
         if self.record:
-            return self.log.alloc(int(nbytes), category, self.phase, self.label)
+            return self.log.alloc(int(nbytes), category, self.phase, self.label, stream)
         self._next += 1
         self._sizes[self._next] = (int(nbytes), category)
         return self._next
