@@ -16,11 +16,15 @@ Rank 0 is modelled: FSDP2 gives it ceil(rows / N) rows of every parameter, the l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from memplan.estimators.contracts import FP32, DtypePlan
+from memplan.estimators.contracts import FP32, LORA_TARGET_STAGE, DtypePlan
 from memplan.estimators.param_tensors import Shape, param_shapes
 from memplan.estimators.params import lora_shapes, lora_targets_modelled
 from memplan.schema import ModelSpec, TrainSetup
+
+if TYPE_CHECKING:  # the walk imports this module
+    from memplan.estimators.timeline import RunTensors, StepBuilder
 
 MIB = 2**20
 # The CUDA streams FSDP2 allocates on beside the default one: the all-gather copy-in stream
@@ -32,10 +36,6 @@ REDUCE_SCATTER_STREAM = 2
 # which accelerate does not change); a bucket closes once it reaches its cap.
 DDP_FIRST_BUCKET = 1 * MIB
 DDP_BUCKET = 25 * MIB
-
-
-def round_block(nbytes: float) -> int:
-    return -(-int(nbytes) // 512) * 512
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,6 @@ def model_groups(spec: ModelSpec, setup: TrainSetup) -> dict[str, Group]:
     layer += params("norms", shapes.norms)
     if setup.lora_rank:
         adapter_computed = computed if dtypes.autocast else FP32
-        from memplan.estimators.contracts import LORA_TARGET_STAGE
-
         for target, (fan_in, fan_out) in zip(
             lora_targets_modelled(spec, setup), lora_shapes(spec, setup)
         ):
@@ -125,11 +123,11 @@ class OneGpu:
         """Bytes of each weight the build allocates, in order."""
         return [n * param_bytes for n in elements] + [n * FP32 for n in adapters]
 
-    def prepare(self, builder, param_bytes: int, trainable: list[int]) -> list[int]:
+    def prepare(self, builder: StepBuilder, param_bytes: int, trainable: list[int]) -> list[int]:
         """What the strategy allocates once the model is built and keeps (DDP's buckets)."""
         return []
 
-    def step_start(self, builder, step: int, buffers: list[int]) -> list[int]:
+    def step_start(self, builder: StepBuilder, step: int, buffers: list[int]) -> list[int]:
         """The kept buffers as the step (0: the first) starts with them."""
         return buffers
 
@@ -145,17 +143,19 @@ class OneGpu:
         """Bytes per element of the optimizer's states (ZeRO steps an fp32 master)."""
         return element
 
-    def optimizer_enter(self, builder: object, run: object) -> list[int]:
+    def optimizer_enter(self, builder: StepBuilder, run: RunTensors) -> list[int]:
         """What the step allocates before the optimizer's own step and frees after it."""
         return []
 
     # Points of the step (the walk's own gradients and buffers stay as they are).
-    def forward_enter(self, builder: object, group: str) -> None: ...
-    def forward_exit(self, builder: object, group: str) -> None: ...
-    def forward_end(self, builder: object) -> None: ...
-    def backward_enter(self, builder: object, group: str) -> None: ...
-    def backward_exit(self, builder: object, group: str, run: object, sync: bool) -> None: ...
-    def backward_end(self, builder: object, run: object, sync: bool) -> None: ...
+    def forward_enter(self, builder: StepBuilder, group: str) -> None: ...
+    def forward_exit(self, builder: StepBuilder, group: str) -> None: ...
+    def forward_end(self, builder: StepBuilder) -> None: ...
+    def backward_enter(self, builder: StepBuilder, group: str) -> None: ...
+    def backward_exit(
+        self, builder: StepBuilder, group: str, run: RunTensors, sync: bool
+    ) -> None: ...
+    def backward_end(self, builder: StepBuilder, run: RunTensors, sync: bool) -> None: ...
 
     def owns_gradients(self) -> bool:
         """True when the strategy makes the gradients itself (gradients() below) instead of the
@@ -163,7 +163,7 @@ class OneGpu:
         return False
 
     def gradients(
-        self, builder: object, group: str, part: str, run: object, accumulating: bool
+        self, builder: StepBuilder, group: str, part: str, run: RunTensors, accumulating: bool
     ) -> None: ...
 
 
@@ -175,15 +175,15 @@ class Ddp(OneGpu):
 
     def __init__(self, spec: ModelSpec, setup: TrainSetup) -> None:
         super().__init__(spec, setup)
-        self._buckets: list[int] = []
+        self._gradient_bytes: list[int] = []
 
-    def prepare(self, builder, param_bytes: int, trainable: list[int]) -> list[int]:
+    def prepare(self, builder: StepBuilder, param_bytes: int, trainable: list[int]) -> list[int]:
         element = FP32 if self.setup.lora_rank else param_bytes
         self._gradient_bytes = [n * element for n in trainable]
         builder.at("start", "DDP's gradient buckets")
         return [builder.alloc("gradient_buckets", sum(self._gradient_bytes))]
 
-    def step_start(self, builder, step: int, buffers: list[int]) -> list[int]:
+    def step_start(self, builder: StepBuilder, step: int, buffers: list[int]) -> list[int]:
         """The second step's forward rebuilds the buckets in the order gradients came."""
         if step != 1:
             return buffers
@@ -258,7 +258,7 @@ class Fsdp2(OneGpu):
         return True
 
     # ------------------------------------------------------------------ collectives
-    def _gather(self, builder, name: str, category: str = "all_gather_buffers") -> int:
+    def _gather(self, builder: StepBuilder, name: str, category: str = "all_gather_buffers") -> int:
         """foreach_all_gather: the copy-in of the shards cast to the compute dtype (where it
         differs), the all-gather output (N shards), the copy-in freed."""
         group = self._group(name)
@@ -276,7 +276,7 @@ class Fsdp2(OneGpu):
         builder.free(copy_in)
         return output
 
-    def _copy_out(self, builder, name: str) -> list[int]:
+    def _copy_out(self, builder: StepBuilder, name: str) -> list[int]:
         """The gathered weights, one padded tensor (N shards) per parameter."""
         return builder.alloc_all(
             "gathered_weights",
@@ -284,7 +284,7 @@ class Fsdp2(OneGpu):
         )
 
     # ------------------------------------------------------------------ forward
-    def forward_enter(self, builder, group: str) -> None:
+    def forward_enter(self, builder: StepBuilder, group: str) -> None:
         live = self._live.setdefault(group, _Live())
         if live.gathered:  # kept from an earlier point (the tied tail, at the embedding)
             return
@@ -293,19 +293,19 @@ class Fsdp2(OneGpu):
         builder.free(self._held_gather)  # the previous group's, held until this copy-out
         self._held_gather = output
 
-    def forward_exit(self, builder, group: str) -> None:
+    def forward_exit(self, builder: StepBuilder, group: str) -> None:
         if self._group(group).reshard_after_forward:
             live = self._live[group]
             builder.free_all(live.gathered)
             live.gathered = []
 
-    def forward_end(self, builder) -> None:
+    def forward_end(self, builder: StepBuilder) -> None:
         """The root's post-forward, after the loss: the last all-gather output goes."""
         builder.free(self._held_gather)
         self._held_gather = None
 
     # ------------------------------------------------------------------ backward
-    def backward_enter(self, builder, group: str) -> None:
+    def backward_enter(self, builder: StepBuilder, group: str) -> None:
         live = self._live.setdefault(group, _Live())
         if not live.gathered:
             output = live.prefetched or self._gather(builder, group)
@@ -320,7 +320,9 @@ class Fsdp2(OneGpu):
             if not before.gathered and before.prefetched is None:
                 before.prefetched = self._gather(builder, previous)
 
-    def gradients(self, builder, group: str, part: str, run, accumulating: bool) -> None:
+    def gradients(
+        self, builder: StepBuilder, group: str, part: str, run: RunTensors, accumulating: bool
+    ) -> None:
         """Autograd's gradients of the part's trainable parameters, unpadded, in the compute
         dtype; a later micro-batch adds each into the one kept and frees it."""
         live = self._live.setdefault(group, _Live())
@@ -333,14 +335,14 @@ class Fsdp2(OneGpu):
             else:
                 live.gradients[index] = tensor
 
-    def adopt_gradient(self, builder, group: str, part: str, tensor: int) -> None:
+    def adopt_gradient(self, builder: StepBuilder, group: str, part: str, tensor: int) -> None:
         """A gradient computed before backward (FLCE's dW), handed to autograd as it is."""
         trainable = self._group(group).trainable
         index = next(i for i, p in enumerate(trainable) if p.part == part)
         live = self._live.setdefault(group, _Live())
         live.gradients[index] = builder.retag(tensor, "unsharded_gradients")
 
-    def backward_exit(self, builder, group: str, run, sync: bool) -> None:
+    def backward_exit(self, builder: StepBuilder, group: str, run: RunTensors, sync: bool) -> None:
         """post_backward: the gathered weights go; when syncing, the gradients are copied into
         one reduce-scatter input (N shards, held until the next group's post-backward), freed,
         and reduced into a flat shard in the compute dtype, cast to the stored dtype where it
@@ -352,7 +354,7 @@ class Fsdp2(OneGpu):
             return
         self._post_backward(builder, group, run, sync)
 
-    def _post_backward(self, builder, group: str, run, sync: bool) -> None:
+    def _post_backward(self, builder: StepBuilder, group: str, run: RunTensors, sync: bool) -> None:
         live = self._live.setdefault(group, _Live())
         builder.free_all(live.gathered)
         live.gathered = []
@@ -385,7 +387,7 @@ class Fsdp2(OneGpu):
         live.gradients = {}
         self._held_reduce = reduce_input
 
-    def backward_end(self, builder, run, sync: bool) -> None:
+    def backward_end(self, builder: StepBuilder, run: RunTensors, sync: bool) -> None:
         """The root's final callback: the post-backward of the groups that waited for it, in
         module order, then the last reduce-scatter input goes."""
         for group in list(self._pending):

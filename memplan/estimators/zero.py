@@ -11,9 +11,14 @@ parameter until 1e9 elements of others were used since (stage3_max_reuse_distanc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from memplan.estimators.contracts import FP32
 from memplan.estimators.parallel import OneGpu, model_groups
 from memplan.schema import ModelSpec, TrainSetup
+
+if TYPE_CHECKING:  # the walk imports this module
+    from memplan.estimators.timeline import RunTensors, StepBuilder
 
 MAX_REUSE_DISTANCE = 10**9
 # DeepSpeed computes the gradient norm per partition slice in fp64.
@@ -69,7 +74,7 @@ class Zero(OneGpu):
         # partitions, defragmented into one buffer
         return [-(-(self.total + sum(adapters)) // self.ranks) * self.element]
 
-    def prepare(self, builder, param_bytes: int, trainable: list[int]) -> list[int]:
+    def prepare(self, builder: StepBuilder, param_bytes: int, trainable: list[int]) -> list[int]:
         builder.at("start", "ZeRO partitions")
         kept = []
         if self.stage < 3 or self.element != FP32:  # the fp32 master of rank 0's partition
@@ -92,7 +97,7 @@ class Zero(OneGpu):
         return True
 
     # ------------------------------------------------------------------ gathers (stage 3)
-    def _gather(self, builder, group: str) -> None:
+    def _gather(self, builder: StepBuilder, group: str) -> None:
         if self.stage < 3 or self.ranks == 1 or self._gathered.get(group):
             return
         numel = self.numel[self._name(group)]
@@ -100,7 +105,7 @@ class Zero(OneGpu):
             builder.alloc("gathered_weights", -(-numel // self.ranks) * self.ranks * self.element)
         ]
 
-    def _release(self, builder, group: str, steady: bool, distance: int) -> None:
+    def _release(self, builder: StepBuilder, group: str, steady: bool, distance: int) -> None:
         if steady and distance < MAX_REUSE_DISTANCE:
             return  # used again soon: kept gathered
         builder.free_all(self._gathered.pop(group, []))
@@ -114,13 +119,13 @@ class Zero(OneGpu):
         index = int(group.split()[-1])
         return 2 * (self.layers - 1 - index) * self.numel["layer"] + self.numel["tail"]
 
-    def forward_enter(self, builder, group: str) -> None:
+    def forward_enter(self, builder: StepBuilder, group: str) -> None:
         self._gather(builder, group)
 
-    def forward_exit(self, builder, group: str) -> None:
+    def forward_exit(self, builder: StepBuilder, group: str) -> None:
         self._release(builder, group, self.steady, self._distance(group))
 
-    def backward_enter(self, builder, group: str) -> None:
+    def backward_enter(self, builder: StepBuilder, group: str) -> None:
         self._gather(builder, group)
         if not self._ipg and self.stage < 3:  # the reduce bucket, at the first gradient
             self._ipg = builder.alloc_all(
@@ -128,7 +133,9 @@ class Zero(OneGpu):
             )
 
     # ------------------------------------------------------------------ gradients
-    def gradients(self, builder, group: str, part: str, run, accumulating: bool) -> None:
+    def gradients(
+        self, builder: StepBuilder, group: str, part: str, run: RunTensors, accumulating: bool
+    ) -> None:
         params = [p for p in self.groups[self._name(group)].trainable if p.part == part]
         sizes = [p.numel * self.element for p in params]
         if self.stage == 1:  # autograd's gradients stay until the end of backward
@@ -146,7 +153,7 @@ class Zero(OneGpu):
         if self.stage == 2 and not run.gradients and self._reaches_partition(group):
             run.gradients.append(builder.alloc("gradients", self.partition * self.element))
 
-    def adopt_gradient(self, builder, group: str, part: str, tensor: int) -> None:
+    def adopt_gradient(self, builder: StepBuilder, group: str, part: str, tensor: int) -> None:
         builder.retag(tensor, "unsharded_gradients")
         if self.stage == 1:
             self._grads.append(tensor)
@@ -165,11 +172,11 @@ class Zero(OneGpu):
         before = self._trainable("embedding") + index * self._trainable("layer")
         return before < self.partition
 
-    def backward_exit(self, builder, group: str, run, sync: bool) -> None:
+    def backward_exit(self, builder: StepBuilder, group: str, run: RunTensors, sync: bool) -> None:
         if self.stage == 3:
             self._release(builder, group, False, 0)
 
-    def backward_end(self, builder, run, sync: bool) -> None:
+    def backward_end(self, builder: StepBuilder, run: RunTensors, sync: bool) -> None:
         if self.stage == 1:  # reduced into rank 0's partition at the end of backward
             run.gradients.append(builder.alloc("gradients", self.partition * self.element))
             builder.mark("backward", "ZeRO-1 reduces the gradients")
@@ -182,7 +189,7 @@ class Zero(OneGpu):
         for group in list(self._gathered):
             builder.free_all(self._gathered.pop(group))
 
-    def optimizer_enter(self, builder, run) -> list[int]:
+    def optimizer_enter(self, builder: StepBuilder, run: RunTensors) -> list[int]:
         """The step's own temporaries before the optimizer's: the fp64 norm of the largest
         partition slice, then the fp32 copy of the flat partition gradient (kept through the
         optimizer's step) once the low-precision one is freed."""
