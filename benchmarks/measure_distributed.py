@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.first_predictions import main, measure_predicted  # noqa: E402
 from memplan.advisor import advise, judge  # noqa: E402
 from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
 from memplan.schema import Report, VerifyCase  # noqa: E402
@@ -225,20 +225,16 @@ def predict(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    from memplan.verify.runner import run_case
-
-    predictions = json.loads(Path(args.predictions).read_text())["cases"]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = Report(label="rank 0 of FSDP2 (fake process group) and DDP (one rank), one GPU")
-    for item in predictions:
-        case = VerifyCase.model_validate(item["case"])
-        if args.only and not re.search(args.only, case.case):
-            continue
-        m = run_case(case, timeout_s=args.timeout)
-        report.measurements.append(m)
-        print(f"{case.case}: {m.status} {m.error or ''} {m.error_pct}", flush=True)
-        (out / "distributed_results.json").write_text(report.model_dump_json(indent=1))
+    measure_predicted(
+        Path(args.predictions),
+        out / "distributed_results.json",
+        label="rank 0 of FSDP2 (fake process group) and DDP (one rank), one GPU",
+        only=args.only,
+        timeout_s=args.timeout,
+        say=lambda item, m: f"{m.status} {m.error or ''} {m.error_pct}",
+    )
     return 0
 
 
@@ -275,23 +271,5 @@ def table(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("predict")
-    p.add_argument("--gpu", default="h100")
-    p.add_argument("--out", required=True)
-    m = sub.add_parser("measure")
-    m.add_argument("predictions")
-    m.add_argument("--out-dir", required=True)
-    m.add_argument("--only")
-    m.add_argument("--timeout", type=float, default=600)
-    t = sub.add_parser("table")
-    t.add_argument("predictions")
-    t.add_argument("results")
-    args = parser.parse_args()
-    return {"predict": predict, "measure": measure, "table": table}[args.command](args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__doc__, predict, measure, table, timeout_s=600))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.first_predictions import main, measure_predicted  # noqa: E402
 from memplan.advisor import (  # noqa: E402
     SEQ_STEP,
     advise,
@@ -122,21 +122,20 @@ def predict(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace) -> int:
     from memplan.verify.report import render_markdown
-    from memplan.verify.runner import run_case
 
-    predictions = json.loads(Path(args.predictions).read_text())["cases"]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = Report(label="fit verdict at the edge of GPU memory")
-    for item in predictions:
-        case = VerifyCase.model_validate(item["case"])
-        if args.only and not re.search(args.only, case.case):
-            continue
-        m = run_case(case, timeout_s=args.timeout)
-        report.measurements.append(m)
-        said = "runs" if item["runs"] else "out of memory"
-        print(f"{case.case}: predicted {said}; measured {m.status} {m.error or ''}", flush=True)
-        (out / "fit_grid_results.json").write_text(report.model_dump_json(indent=1))
+    report = measure_predicted(
+        Path(args.predictions),
+        out / "fit_grid_results.json",
+        label="fit verdict at the edge of GPU memory",
+        only=args.only,
+        timeout_s=args.timeout,
+        say=lambda item, m: (
+            f"predicted {'runs' if item['runs'] else 'out of memory'}; measured {m.status} "
+            f"{m.error or ''}"
+        ),
+    )
     (out / "fit_grid_report.md").write_text(
         render_markdown(report, title="Fit verdict at the edge of GPU memory")
     )
@@ -171,23 +170,5 @@ def table(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("predict")
-    p.add_argument("--gpu", default="h100")
-    p.add_argument("--out", required=True)
-    m = sub.add_parser("measure")
-    m.add_argument("predictions")
-    m.add_argument("--out-dir", required=True)
-    m.add_argument("--only")
-    m.add_argument("--timeout", type=float, default=120)
-    t = sub.add_parser("table")
-    t.add_argument("predictions")
-    t.add_argument("results")
-    args = parser.parse_args()
-    return {"predict": predict, "measure": measure, "table": table}[args.command](args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__doc__, predict, measure, table, timeout_s=120))
