@@ -122,7 +122,7 @@ def norm_saved(
         return
     w = width * rows_per_token
     if "rms_norm" in ctx.kernels:
-        out.add_each(name, w * p_in, FP32 * rows_per_token)
+        out.add_each(name, *kc.rms_norm_saved_tensors(rows_per_token, width, p_in))
     elif gemma:
         # x.float(), rsqrt, and x * rstd kept for (1 + w)'s gradient when w trains.
         normalized = FP32 * w if weight_trainable else 0
@@ -161,6 +161,8 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
+    if "rope" in ctx.kernels:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
+        out.add("attn.rope", kc.rope_saved_bytes(1, (nh + kv) * hd, p))
     masked = attention_masked(ctx)
     eager = ctx.setup.attn == "eager"
     if eager or sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):

@@ -14,11 +14,17 @@ import math
 FP32 = 4
 
 
+def rms_norm_saved_tensors(rows: float, hidden: int, dtype_bytes: int) -> tuple[float, float]:
+    """The two tensors it saves: input x (rows x hidden, input dtype) and the fp32 inverse RMS
+    per row."""
+    return rows * hidden * dtype_bytes, rows * FP32
+
+
 def rms_norm_saved_bytes(rows: int, hidden: int, dtype_bytes: int) -> int:
-    """Input x (rows x hidden, input dtype) and the fp32 inverse RMS per row. Backward writes dx
-    over dy when `in_place_backward` (else a new rows x hidden buffer) and keeps an fp32 dW
-    partial of at most SMs x hidden (memplan.kernels._partials), a few MiB."""
-    return rows * hidden * dtype_bytes + rows * FP32
+    """rms_norm_saved_tensors together. Backward writes dx over dy when `in_place_backward`
+    (else a new rows x hidden buffer) and keeps an fp32 dW partial of at most SMs x hidden
+    (memplan.kernels._partials), a few MiB."""
+    return int(sum(rms_norm_saved_tensors(rows, hidden, dtype_bytes)))
 
 
 def layer_norm_saved_bytes(rows: int, hidden: int, dtype_bytes: int) -> int:

@@ -196,8 +196,9 @@ def loss_saved_entries(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) ->
         return [n for n in (dx, dw) if n]
     # Under autocast the lm_head matmul keeps its low-precision weight copy.
     lm_head_copy = spec.vocab_size * spec.hidden_size * dtypes.proj if dtypes.autocast else 0
-    if "cross_entropy" in kernels:
-        return [n for n in (lm_head_copy, logits * dtypes.proj) if n]  # the logits' gradient
+    if "cross_entropy" in kernels:  # the logits' gradient, in a buffer of its own
+        gradient = kc.cross_entropy_saved_bytes(tokens, spec.vocab_size, dtypes.proj, False)
+        return [n for n in (lm_head_copy, gradient) if n]
     softcap = logits * dtypes.proj if spec.final_logit_softcapping else 0
     # log_softmax's output, the targets, nll_loss's total weight.
     return [n for n in (lm_head_copy, softcap, tokens * INT64, logits * FP32, FP32) if n]
