@@ -8,8 +8,13 @@ from memplan.schema import TrainSetup
 # accelerate's mixed_precision for each of memplan's precisions: bf16 and fp32 keep the model's
 # own dtype; amp-* keeps fp32 weights and autocasts. DeepSpeed's bf16 mode is the only way it
 # trains a bf16 model (bf16 weights, fp32 master).
-_MIXED = {"bf16": "'no'", "fp32": "'no'", "amp-bf16": "bf16", "amp-fp16": "fp16"}
-_DEEPSPEED_MIXED = {"bf16": "bf16", "fp32": "'no'", "amp-bf16": "bf16", "amp-fp16": "fp16"}
+ACCELERATE_MIXED_PRECISION = {"bf16": "no", "fp32": "no", "amp-bf16": "bf16", "amp-fp16": "fp16"}
+DEEPSPEED_MIXED_PRECISION = {**ACCELERATE_MIXED_PRECISION, "bf16": "bf16"}
+
+
+def _yaml(value: str) -> str:
+    return "'no'" if value == "no" else value  # a bare no is YAML's false
+
 
 _COMMON = """\
 compute_environment: LOCAL_MACHINE
@@ -28,12 +33,13 @@ def accelerate_config(setup: TrainSetup, gpus_per_machine: int = 8) -> str:
         raise ValueError("a setup without a strategy runs on one GPU: no accelerate config")
     machines = -(-setup.gpus // gpus_per_machine)
     common = _COMMON.format(machines=machines, gpus=setup.gpus)
+    mixed = ACCELERATE_MIXED_PRECISION[setup.precision]
     if setup.strategy == "ddp":
-        body = f"distributed_type: MULTI_GPU\nmixed_precision: {_MIXED[setup.precision]}"
+        body = f"distributed_type: MULTI_GPU\nmixed_precision: {_yaml(mixed)}"
     elif setup.strategy == "fsdp2":
         body = (
             "distributed_type: FSDP\n"
-            f"mixed_precision: {_MIXED[setup.precision]}\n"
+            f"mixed_precision: {_yaml(mixed)}\n"
             "fsdp_config:\n"
             "  fsdp_version: 2\n"
             "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
@@ -49,7 +55,7 @@ def accelerate_config(setup: TrainSetup, gpus_per_machine: int = 8) -> str:
         offload_params = setup.cpu_offload and stage == 3
         body = (
             "distributed_type: DEEPSPEED\n"
-            f"mixed_precision: {_DEEPSPEED_MIXED[setup.precision]}\n"
+            f"mixed_precision: {_yaml(DEEPSPEED_MIXED_PRECISION[setup.precision])}\n"
             "deepspeed_config:\n"
             f"  zero_stage: {stage}\n"
             f"  gradient_accumulation_steps: {setup.grad_accum}\n"

@@ -27,7 +27,7 @@ from memplan.estimators.params import (
     check_lora_targets,
     default_lora_targets,
 )
-from memplan.estimators.releases import as_run_by, release_tuple
+from memplan.estimators.releases import as_run_by, release_text
 from memplan.limits import (
     MAX_BATCH,
     check_lora_rank,
@@ -538,7 +538,7 @@ def _checked_release(transformers: str | None) -> str | None:
     if transformers is None:
         return None
     try:
-        return ".".join(map(str, release_tuple(str(transformers))))
+        return release_text(str(transformers))
     except ValueError:
         raise option_error(
             "{} must be a transformers release such as 5.17.0, got {value!r}",
@@ -780,7 +780,7 @@ def gpu_counts(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> list[GpuCount]:
                 "each rank holds the whole model and a second copy of its gradients"
                 if strategy == "ddp"
                 else f"at {GPU_COUNT_CEILING:,} GPUs, even with checkpointing and a micro-batch "
-                f"of 1, rank 0 still holds {gib_text(judged.peak_bytes)}"
+                "of 1, rank 0 holds more than the GPU"
             )
         reserved = judged.reserved
         counts.append(
@@ -819,10 +819,6 @@ def _upward(n: int, most: int) -> list[int]:
     peak only just fits, fragmentation needs a few percent more room."""
     steps = [n] + [-(-n * num // den) for num, den in ((9, 8), (5, 4), (3, 2), (2, 1))]
     return sorted({min(s, most) for s in steps})
-
-
-def gib_text(nbytes: int) -> str:
-    return f"{nbytes / 2**30:,.2f} GiB"
 
 
 def lightest_flce(spec: ModelSpec, setup: TrainSetup) -> TrainSetup:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from memplan.errors import MemplanError, option_error
 from memplan.estimators.params import LORA_TARGET_SHAPES
-from memplan.schema import STRATEGIES, ModelSpec
+from memplan.schema import SHARDING_STRATEGIES, STRATEGIES, ModelSpec
 
 # advisor.largest_batch searches batches up to here (it says "at least" when that fits).
 MAX_BATCH = 2**20
@@ -129,7 +129,7 @@ def check_parallelism(
         raise option_error(
             "{} off is an FSDP2 setting: add {} fsdp2", "reshard_after_forward", "strategy"
         )
-    if cpu_offload and strategy not in ("fsdp2", "zero1", "zero2", "zero3"):
+    if cpu_offload and strategy not in SHARDING_STRATEGIES:
         raise option_error(
             "{} needs a sharding {}: fsdp2, zero1, zero2 or zero3", "cpu_offload", "strategy"
         )

@@ -250,7 +250,8 @@ def _gpu_lines(advice: Advice) -> list[tuple[str, bool]]:
     for option in advice.gpu_counts:
         name = STRATEGY_NAMES[option.strategy]
         if option.gpus is None:
-            lines.append((f"  - {name}: no number of GPUs: {escape(option.why_none or '')}", False))
+            why = f"{option.why_none} (rank 0 peaks at {gib(option.peak_bytes)})"
+            lines.append((f"  - {name}: no number of GPUs: {escape(why)}", False))
             continue
         change = f", {escape(option.change)}" if option.change else ""
         lines.append(

@@ -24,6 +24,8 @@ Optimizer = Literal[
 # Data parallelism as accelerate runs it: DDP, FSDP2 (fully_shard), DeepSpeed ZeRO stages.
 Strategy = Literal["ddp", "fsdp2", "zero1", "zero2", "zero3"]
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+# Those that shard weights, gradients or optimizer states (and can offload them to the CPU).
+SHARDING_STRATEGIES: tuple[str, ...] = ("fsdp2", "zero1", "zero2", "zero3")
 
 # Canonical kernel names, in the order the advisor reports them.
 KERNEL_NAMES: tuple[str, ...] = (
@@ -165,7 +167,7 @@ class TrainSetup(BaseModel):
             raise ValueError(f"{self.gpus} GPUs need a strategy: one of {', '.join(STRATEGIES)}")
         if not self.reshard_after_forward and self.strategy != "fsdp2":
             raise ValueError("reshard_after_forward is an FSDP2 setting; the strategy is not fsdp2")
-        if self.cpu_offload and self.strategy not in ("fsdp2", "zero1", "zero2", "zero3"):
+        if self.cpu_offload and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError("cpu_offload needs a sharding strategy: fsdp2 or zero1/2/3")
         return self
 

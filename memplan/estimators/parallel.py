@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from memplan.estimators.contracts import FP32, LORA_TARGET_STAGE, DtypePlan
 from memplan.estimators.param_tensors import Shape, param_shapes
 from memplan.estimators.params import lora_shapes, lora_targets_modelled
-from memplan.schema import ModelSpec, TrainSetup
+from memplan.schema import SHARDING_STRATEGIES, ModelSpec, TrainSetup
 
 if TYPE_CHECKING:  # the walk imports this module
     from memplan.estimators.timeline import RunTensors, StepBuilder
@@ -61,9 +61,8 @@ class Param:
 
 @dataclass(frozen=True)
 class Group:
-    """One FSDP2 unit (fully_shard call) and the walk's name for it."""
+    """One FSDP2 unit (fully_shard call): its parameters, in registration order."""
 
-    name: str  # "embedding", "layer", "tail"
     params: tuple[Param, ...]
     reshard_after_forward: bool
 
@@ -102,11 +101,11 @@ def model_groups(spec: ModelSpec, setup: TrainSetup) -> dict[str, Group]:
     tail += embedding if shapes.lm_head is None else params("lm_head", (shapes.lm_head,))
     reshard = setup.reshard_after_forward
     groups = {
-        "layer": Group("layer", tuple(layer), reshard),
-        "tail": Group("tail", tuple(tail), False),
+        "layer": Group(tuple(layer), reshard),
+        "tail": Group(tuple(tail), False),
     }
     if shapes.lm_head is not None:
-        groups["embedding"] = Group("embedding", tuple(embedding), reshard)
+        groups["embedding"] = Group(tuple(embedding), reshard)
     return groups
 
 
@@ -406,8 +405,7 @@ def computed_setup(setup: TrainSetup) -> TrainSetup:
     sets param_dtype to the autocast dtype) gathers the weights in that dtype, and DeepSpeed's
     bf16 mode casts them, so the activations are those of a bf16 model; DDP and one GPU
     compute as set (fp32 weights under autocast)."""
-    sharded = setup.strategy in ("fsdp2", "zero1", "zero2", "zero3")
-    if sharded and setup.precision.startswith("amp"):
+    if setup.strategy in SHARDING_STRATEGIES and setup.precision.startswith("amp"):
         return setup.model_copy(update={"precision": "bf16"})
     return setup
 

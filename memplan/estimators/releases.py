@@ -36,6 +36,11 @@ def release_tuple(version: str) -> tuple[int, int, int]:
     return int(major), int(minor), int(patch or 0)
 
 
+def release_text(version: str) -> str:
+    """'5.24.0+local' -> '5.24.0', '5.24' -> '5.24.0' (ValueError as release_tuple)."""
+    return ".".join(map(str, release_tuple(version)))
+
+
 @dataclass(frozen=True)
 class Release:
     """The transformers release that runs a step, and the memory behaviours that follow from it."""
@@ -57,10 +62,6 @@ class Release:
     def refuses_sdpa(self, model_type: str) -> bool:
         first = SDPA_REFUSED_FROM.get(model_type)
         return first is not None and self.version[:2] >= first
-
-    @property
-    def text(self) -> str:
-        return ".".join(map(str, self.version))
 
 
 def as_run_by(model_type: str, setup: TrainSetup, transformers: str | None) -> TrainSetup:

@@ -671,8 +671,8 @@ def walk_step(
         run.embedding_leaf = []
     builder.mark("forward", "end of forward")
 
+    layout.backward_enter(builder, "tail")
     if hf_loss:
-        layout.backward_enter(builder, "tail")
         # nll_loss backward writes a dense fp32 gradient; log_softmax backward another.
         builder.at("backward", "loss backward")
         nll_grad = builder.alloc("logits_and_loss", sizes.logits_fp32)
@@ -693,8 +693,6 @@ def walk_step(
                 "backward", "softcap backward", [sizes.logits_p, sizes.logits_p], "logits_and_loss"
             )
         loss_saved = [logits_grad]
-    else:
-        layout.backward_enter(builder, "tail")
     builder.at("backward", "lm_head backward")
     lm_head_part = "embedding" if tied else "lm_head"
     if "flce" in kernels and not sizes.flce_grads_to_fp32:
@@ -729,7 +727,6 @@ def walk_step(
         builder.at("backward", label)
         layout.backward_enter(builder, f"layer {index}")
         if ckpt:  # the recomputed forward's saved tensors, alive through the layer's backward
-            builder.at("backward", label)
             checkpoint_input = layer_kept[index][0]
             layer_kept[index] = (
                 builder.alloc_all("transient", before),

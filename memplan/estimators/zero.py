@@ -34,13 +34,11 @@ class Zero(OneGpu):
         self.element = FP32 if setup.precision == "fp32" else 2  # bf16 mode otherwise
         self.groups = model_groups(spec, setup)
         self.layers = spec.num_hidden_layers
-        layer = self.groups["layer"]
         self.numel = {
-            "layer": sum(p.numel for p in layer.params),
-            "tail": sum(p.numel for p in self.groups["tail"].params),
-            "embedding": sum(p.numel for p in self.groups.get("embedding", layer).params)
-            if "embedding" in self.groups
-            else 0,
+            name: sum(p.numel for p in group.params) if group else 0
+            for name, group in (
+                (name, self.groups.get(name)) for name in ("embedding", "layer", "tail")
+            )
         }
         self.trainable = (
             self._trainable("embedding")

@@ -13,12 +13,10 @@ from __future__ import annotations
 from types import MethodType, SimpleNamespace
 from typing import Any
 
+from memplan.accelerate_config import ACCELERATE_MIXED_PRECISION
 from memplan.errors import MemplanError
 from memplan.schema import TrainSetup
 
-# What accelerate's mixed_precision is for each of the protocol's precisions: bf16 and fp32 keep
-# the model's own dtype; amp-* keeps fp32 weights and autocasts the forward.
-ACCELERATE_MIXED_PRECISION = {"bf16": "no", "fp32": "no", "amp-bf16": "bf16", "amp-fp16": "fp16"}
 MEASURED_STRATEGIES = ("ddp", "fsdp2")
 
 

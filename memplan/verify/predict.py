@@ -78,13 +78,13 @@ def _catalog_gpu(device_name: str) -> Gpu | None:
 
 def ran_setup(measurement: Measurement) -> TrainSetup:
     """The measured setup, naming the transformers release the child ran where it did not."""
-    from memplan.estimators.releases import release_tuple
+    from memplan.estimators.releases import release_text
 
     ran = measurement.env.get("transformers", "")
     if measurement.setup.transformers is not None:
         return measurement.setup
     try:
-        version = ".".join(map(str, release_tuple(ran)))
+        version = release_text(ran)
     except ValueError:  # not recorded, or not a release
         return measurement.setup
     return measurement.setup.model_copy(update={"transformers": version})
