@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.first_predictions import main, measure_predicted  # noqa: E402
 from memplan.advisor import advise, judge  # noqa: E402
-from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
+from memplan.catalog import resolve_gpu, resolve_model, spec_from_config  # noqa: E402
 from memplan.schema import Report, VerifyCase  # noqa: E402
 from memplan.verify.predict import with_layers  # noqa: E402
 from memplan.verify.protocol import case_name  # noqa: E402
@@ -238,36 +238,58 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pct(predicted: int, measured: int) -> float:
+    return 100 * (predicted - measured) / measured
+
+
 def table(args: argparse.Namespace) -> int:
+    """The first predictions against the measurements, then what the code predicts now for the
+    same cases (in-sample wherever a measurement led to a change)."""
     predictions = {
         c["case"]["case"]: c for c in json.loads(Path(args.predictions).read_text())["cases"]
     }
     report = Report.model_validate_json(Path(args.results).read_text())
-    print("| case | first prediction GiB | measured GiB | error | verdict predicted | ran |")
-    print("|---|---:|---:|---:|---|---|")
-    errors = []
+    print(
+        "| case | measured GiB | first prediction | error | now | error "
+        "| reserved GiB | first | now |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    first_errors, now_errors, first_reserved, now_reserved = [], [], [], []
     for m in report.measurements:
+        if m.status != "ok" or not m.peak_bytes or not m.reserved_bytes:
+            print(f"| {m.case} | {m.status} | | | | | | | |")
+            continue
         p = predictions[m.case]
-        ran = m.status == "ok"
-        error = None
-        if ran and m.peak_bytes:
-            error = 100 * (p["allocated_bytes"] - m.peak_bytes) / m.peak_bytes
-            errors.append(abs(error))
-        measured = (
-            f"{m.peak_bytes / 2**30:.2f}"
-            if ran and m.peak_bytes
-            else f"{m.status} {(m.oom_above_bytes or 0) / 2**30:.2f}"
+        case = VerifyCase.model_validate(p["case"])
+        spec = spec_from_config(dict(case.hf_config), case.model)
+        now = judge(spec, case.setup, resolve_gpu(p["gpu"]))
+        assert now.reserved is not None
+        errors = (
+            _pct(p["allocated_bytes"], m.peak_bytes),
+            _pct(now.peak_bytes, m.peak_bytes),
+            _pct(p["reserved_bytes"], m.reserved_bytes),
+            _pct(now.reserved.reserved_bytes, m.reserved_bytes),
         )
+        for bucket, error in zip(
+            (first_errors, now_errors, first_reserved, now_reserved), errors, strict=True
+        ):
+            bucket.append(abs(error))
         print(
-            f"| {m.case} | {p['allocated_bytes'] / 2**30:.2f} | {measured} "
-            f"| {'—' if error is None else f'{error:+.2f}%'} "
-            f"| {'runs' if p['runs'] else 'out of memory'} | {'yes' if ran else 'no'} |"
+            f"| {m.case} | {m.peak_bytes / 2**30:.2f} | {p['allocated_bytes'] / 2**30:.2f} "
+            f"| {errors[0]:+.2f}% | {now.peak_bytes / 2**30:.2f} | {errors[1]:+.2f}% "
+            f"| {m.reserved_bytes / 2**30:.2f} | {errors[2]:+.2f}% | {errors[3]:+.2f}% |"
         )
-    if errors:
-        print(
-            f"\nFirst predictions: median |error| {statistics.median(errors):.2f}%, "
-            f"max {max(errors):.2f}% over {len(errors)} cases that ran."
-        )
+    for name, errors in (
+        ("Allocated, first predictions", first_errors),
+        ("Allocated, the code now", now_errors),
+        ("Reserved, first predictions", first_reserved),
+        ("Reserved, the code now", now_reserved),
+    ):
+        if errors:
+            print(
+                f"\n{name}: median |error| {statistics.median(errors):.2f}%, "
+                f"max {max(errors):.2f}% over {len(errors)} cases that ran."
+            )
     return 0
 
 

@@ -189,6 +189,27 @@ def test_patched_model_matches_autograd_on_cpu(
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_bf16_weights_under_autocast_match_autograd_on_cpu(model_type, saved_storage_bytes) -> None:
+    """FSDP2's amp step: bf16 weights (its mixed-precision policy) inside accelerate's autocast.
+    The GLU kernel leaves down_proj to nn.Linear under autocast, which saves its input."""
+    import memplan
+
+    kernels = ("rms_norm", "rope", "swiglu" if model_type == "llama" else "geglu")
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    memplan.apply(model.train(), plan=None, kernels=list(kernels))
+    measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=True)
+    spec = spec_from_config(probe_config(model_type))
+    setup = TrainSetup(
+        batch=PROBE["batch"], seq=PROBE["seq"], kernels=kernels, transformers=INSTALLED
+    )
+    saved = forward_saved(spec, setup, backend="cpu", rounded=False, under_autocast=True)
+    assert saved.total == measured
+    assert forward_saved(spec, setup, backend="cpu", rounded=False).total < measured
+
+
 KERNEL_PROBE = json.loads(
     (Path(__file__).parent / "data" / "saved_cuda_probe_kernels.json").read_text()
 )

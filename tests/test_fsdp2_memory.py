@@ -57,6 +57,7 @@ class StorageLedger:
         self.inside = 0  # > 0 while FSDP2's or the optimizer's code runs
         self.closed = False  # the run is over: what goes after is its teardown
         self.buffer_bytes = 0
+        self.marks: list[int] = []  # len(events) when the loss's backward had run
         self._next = 0
 
     def track(self, storage: torch.UntypedStorage, owned: bool = False) -> None:
@@ -88,6 +89,13 @@ class StorageLedger:
         key = tensor.untyped_storage()._cdata
         if key in self.current:
             self.owned.add(self.current[key][0])
+
+    def owned_at_marks(self) -> list[int]:
+        """Owned bytes alive at each mark."""
+        return [
+            sum(delta for allocation, delta, _ in self.events[:mark] if allocation in self.owned)
+            for mark in self.marks
+        ]
 
     def owned_trace(self) -> list[tuple[str, int]]:
         """(phase, owned bytes alive) after each event."""
@@ -133,6 +141,8 @@ def tracking(ledger: StorageLedger):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and _local(t).device.type == "cpu":
                     ledger.track(_local(t).untyped_storage())
+            if func is torch.ops.aten._log_softmax_backward_data.default:
+                ledger.marks.append(len(ledger.events))
             return out
 
     def inside(fn):
@@ -261,18 +271,21 @@ def measure(setup: TrainSetup, config: dict) -> StorageLedger:
     return ledger
 
 
-def predict(setup: TrainSetup, config: dict) -> list[list[int]]:
+def predict(setup: TrainSetup, config: dict, until: str | None = None) -> list[list[int]]:
     """The analytic walk's owned bytes alive after each event (raw: the CPU rounds nothing),
-    per step (the walk plays the build, step 1 and one steady step)."""
+    per step (the walk plays the build, step 1 and one steady step); with `until`, each step's
+    list ends before the first event of that label."""
     spec = spec_from_config(config)
     sizes = step_sizes(spec, setup, None, "cpu")
     _, log = walk_run(spec, setup, sizes, steady_steps=1, record=True)
     steps: list[list[int]] = [[]]
-    total, live, previous = 0, {}, "start"
+    total, live, previous, stopped = 0, {}, "start", False
     for event in log.events:
         if previous == "optimizer" and event.phase != "optimizer":
             steps.append([])
+            stopped = False
         previous = event.phase
+        stopped = stopped or event.label == until
         optimizer_temporary = event.phase == "optimizer" and event.category == "transient"
         if event.category not in OWNED and not optimizer_temporary:
             continue
@@ -281,7 +294,8 @@ def predict(setup: TrainSetup, config: dict) -> list[list[int]]:
             total += event.nbytes
         else:
             total -= live.pop(event.tensor)
-        steps[-1].append(total)
+        if not stopped:
+            steps[-1].append(total)
     return steps
 
 
@@ -323,6 +337,17 @@ def test_fsdp2_owns_what_the_model_says(options: dict) -> None:
             assert max(measured) == max(steps[step][-len(measured) :]), f"step {step + 1} step"
         else:
             assert max(measured) == max(steps[step]), f"step {step + 1} peak"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fsdp2_prefetches_after_the_loss_backward(tied: bool) -> None:
+    """The tail group's pre-backward hook sits on lm_head's output: the last layer's prefetch
+    starts once the loss's backward has made the logits' gradient, not before it."""
+    config = {**TINY, "tie_word_embeddings": tied}
+    setup = TrainSetup(batch=2, seq=32, strategy="fsdp2", gpus=4)
+    ledger = measure(setup, config)
+    steps = predict(setup, config, until="logits gradient")
+    assert ledger.owned_at_marks() == [steps[0][-1], steps[1][-1]]
 
 
 def test_ddp_buckets_are_what_the_model_says() -> None:

@@ -40,6 +40,14 @@ class DtypePlan:
         return cls(param=4, proj=2, residual=4, autocast=True)  # amp-bf16 / amp-fp16
 
 
+def runs_under_autocast(setup: TrainSetup) -> bool:
+    """Whether the forward runs inside torch.autocast: amp-* as accelerate runs it on one GPU,
+    under DDP and under FSDP2 (whose weights are then gathered in bf16 already); DeepSpeed
+    casts the model itself and leaves autocast off."""
+    strategy = setup.strategy or ""
+    return DtypePlan.of(setup.precision).autocast and not strategy.startswith("zero")
+
+
 @dataclass
 class Saved:
     """Bytes one block saves for backward: per token row, plus a constant per block."""
@@ -97,6 +105,7 @@ class LayerContext:
         return self.needs_input_grad or first_stage_after(self.setup.lora_targets) <= stage + 1
 
     sliding: bool  # this layer attends through a sliding window
+    under_autocast: bool  # inside torch.autocast, whatever the weights' dtype
 
     @property
     def seq(self) -> int:
@@ -269,7 +278,7 @@ def mlp_saved(ctx: LayerContext, out: Saved) -> None:
     # down_proj keeps its input for its weight's gradient: not when frozen (an adapter keeps its
     # own cast, counted with the adapters), nor when the GLU kernel runs a plain down_proj itself
     # and recomputes the product in backward (memplan.kernels._glu.recompute_product).
-    recomputed = glu in ctx.kernels and not ctx.dtypes.autocast
+    recomputed = glu in ctx.kernels and not ctx.under_autocast
     if ctx.trainable_base and not recomputed:
         out.add("mlp.down_in", p * inter)
 

@@ -24,6 +24,7 @@ from memplan.estimators.contracts import (
     gemma_norms,
     layer_saved,
     norm_saved,
+    runs_under_autocast,
     sdpa_math_path,
 )
 from memplan.estimators.events import EventLog
@@ -81,8 +82,14 @@ def round_block(nbytes: float) -> int:
 
 
 def layer_contexts(
-    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str
+    spec: ModelSpec,
+    setup: TrainSetup,
+    dtypes: DtypePlan,
+    backend: str,
+    under_autocast: bool | None = None,
 ) -> list[LayerContext]:
+    """One context per decoder layer; `under_autocast` defaults to what `dtypes` say (an FSDP2
+    amp step computes in bf16 inside autocast: runs_under_autocast of its setup as given)."""
     lora = bool(setup.lora_rank)
     layer_types = spec.layer_types or ()
     return [
@@ -95,6 +102,7 @@ def layer_contexts(
             trainable_base=not lora,
             needs_input_grad=not (lora and index == 0),
             sliding=index < len(layer_types) and layer_types[index] == "sliding_attention",
+            under_autocast=dtypes.autocast if under_autocast is None else under_autocast,
         )
         for index in range(spec.num_hidden_layers)
     ]
@@ -139,14 +147,18 @@ def saved_allocations(
 
 
 def forward_saved(
-    spec: ModelSpec, setup: TrainSetup, backend: str = "cuda", rounded: bool = True
+    spec: ModelSpec,
+    setup: TrainSetup,
+    backend: str = "cuda",
+    rounded: bool = True,
+    under_autocast: bool | None = None,
 ) -> ForwardSaved:
     """Bytes autograd saves during one forward (no checkpointing), parameters excluded."""
     dtypes = DtypePlan.of(setup.precision)
     tokens = setup.batch * setup.seq
     blocks = round_block if rounded else int
     lora = bool(setup.lora_rank)
-    contexts = layer_contexts(spec, setup, dtypes, backend)
+    contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
     by_kind: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}  # layers differ in these
     for ctx in contexts:
         kind = (ctx.sliding, ctx.needs_input_grad)
@@ -368,6 +380,7 @@ def optimizer_tensors(
 def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str) -> StepSizes:
     weights = DtypePlan.of(setup.precision)  # weights, their gradients, optimizer states
     states, step_temp = optimizer_tensors(spec, setup, weights, layout_for(spec, setup))
+    under_autocast = runs_under_autocast(setup)
     setup = computed_setup(setup)  # activations, as the step computes them
     dtypes = DtypePlan.of(setup.precision)
     counts = count_params(spec)
@@ -402,7 +415,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         state_tensors=states,
         step_temp_tensors=step_temp,
         workspace=cublas_workspace_bytes(gpu),
-        saved=forward_saved(spec, setup, backend),
+        saved=forward_saved(spec, setup, backend, under_autocast=under_autocast),
         loss_entries=loss_saved_entries(spec, setup, dtypes),
         residual=round_block(tokens * h * dtypes.residual),
         logits_p=round_block(tokens * spec.vocab_size * p),
@@ -671,7 +684,8 @@ def walk_step(
         run.embedding_leaf = []
     builder.mark("forward", "end of forward")
 
-    layout.backward_enter(builder, "tail")
+    if "flce" in kernels:  # FLCE's forward hook sits on the loss: the tail's pre-backward is first
+        layout.backward_enter(builder, "tail")
     if hf_loss:
         # nll_loss backward writes a dense fp32 gradient; log_softmax backward another.
         builder.at("backward", "loss backward")
@@ -693,6 +707,8 @@ def walk_step(
                 "backward", "softcap backward", [sizes.logits_p, sizes.logits_p], "logits_and_loss"
             )
         loss_saved = [logits_grad]
+    if "flce" not in kernels:  # the pre-backward hook on lm_head's output, the logits
+        layout.backward_enter(builder, "tail")
     builder.at("backward", "lm_head backward")
     lm_head_part = "embedding" if tied else "lm_head"
     if "flce" in kernels and not sizes.flce_grads_to_fp32:
