@@ -28,6 +28,7 @@ from memplan.estimators.params import (
     default_lora_targets,
 )
 from memplan.estimators.releases import as_run_by, release_text
+from memplan.families import FAMILIES
 from memplan.limits import (
     MAX_BATCH,
     check_lora_rank,
@@ -82,7 +83,11 @@ FLCE_CHUNK_CAP = 4096
 
 
 def supported_kernels(spec: ModelSpec) -> tuple[str, ...]:
-    """The memplan kernels that can replace an op of this architecture."""
+    """The memplan kernels that can replace an op of this architecture: its family's, or for a
+    model type without one (the traced path) those its norm and activation name."""
+    family = FAMILIES.get(spec.model_type)
+    if family is not None:
+        return family.kernels(spec.hidden_act, dense_mlp=not spec.num_experts)
     kernels = ["rms_norm" if spec.norm == "rms" else "layer_norm", "rope"]
     glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act)
     if glu and not spec.num_experts:

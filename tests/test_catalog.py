@@ -21,10 +21,10 @@ from memplan.catalog import (
     resolve_model,
     spec_from_config,
 )
-from memplan.catalog.config_to_spec import _FAMILIES
 from memplan.catalog.gpus import _GPUS_JSON
 from memplan.catalog.models import _MODELS_JSON
 from memplan.errors import MemplanError, UsageError
+from memplan.families import FAMILIES
 
 ENTRIES = {entry.key: entry for entry in list_model_entries()}
 RAW = json.loads(_MODELS_JSON.read_text())
@@ -58,7 +58,7 @@ def test_catalog_covers_the_required_checkpoints():
     assert required <= set(ENTRIES)
     assert len(ENTRIES) >= 30
     assert [key for key, _ in list_models()] == list(ENTRIES)
-    assert {spec.model_type for _, spec in list_models()} == set(_FAMILIES)
+    assert {spec.model_type for _, spec in list_models()} == set(FAMILIES)
 
 
 def test_catalog_import_stays_free_of_torch_and_transformers():
@@ -572,7 +572,7 @@ ODD_SIZES = {"hidden_size": 384, "num_attention_heads": 4, "num_key_value_heads"
 
 
 @pytest.mark.parametrize("sizes", [{}, ODD_SIZES], ids=["defaults", "odd-sizes"])
-@pytest.mark.parametrize("model_type", sorted(_FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_family_defaults_match_transformers(model_type, sizes):
     from transformers import AutoConfig
 

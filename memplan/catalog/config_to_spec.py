@@ -1,10 +1,10 @@
 """A Hugging Face config.json (a plain dict) -> memplan.schema.ModelSpec, without transformers.
 
-Each family lists the defaults of its transformers config class (5.x) for the keys that decide
-memory, so a config.json that leaves them out (the text_config of a multimodal Gemma 3
-checkpoint leaves out most) means what transformers would build. tests/test_catalog.py checks
-these defaults against the installed transformers and the derived fields against the modules a
-real model has."""
+Each family entry (memplan/families) lists the defaults of its transformers config class (5.x)
+for the keys that decide memory, so a config.json that leaves them out (the text_config of a
+multimodal Gemma 3 checkpoint leaves out most) means what transformers would build.
+tests/test_catalog.py checks these defaults against the installed transformers and the derived
+fields against the modules a real model has."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.errors import MemplanError
+from memplan.families import FAMILIES, SUPPORTED_MODEL_TYPES, TEXT_FAMILY_OF, ConfigRules
 from memplan.schema import ModelSpec
 
 _COMMON: dict[str, Any] = {
@@ -26,168 +27,6 @@ _COMMON: dict[str, Any] = {
     "use_cache": True,
 }
 
-# Per model_type: transformers' defaults, and which architectural traits the family has.
-_FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {
-        "defaults": {
-            "vocab_size": 32000,
-            "hidden_size": 4096,
-            "intermediate_size": 11008,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "max_position_embeddings": 2048,
-        },
-    },
-    "mistral": {
-        "defaults": {
-            "vocab_size": 32000,
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "max_position_embeddings": 131072,
-            "sliding_window": 4096,
-        },
-        "attention_bias": "never",
-    },
-    "mixtral": {
-        "defaults": {
-            "vocab_size": 32000,
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "max_position_embeddings": 131072,
-            "num_local_experts": 8,
-            "num_experts_per_tok": 2,
-        },
-        "attention_bias": "never",
-        "moe": "mixtral",
-    },
-    "qwen2": {
-        "defaults": {
-            "vocab_size": 151936,
-            "hidden_size": 4096,
-            "intermediate_size": 22016,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "max_position_embeddings": 32768,
-            "sliding_window": 4096,
-            "use_sliding_window": False,
-            "max_window_layers": 28,
-        },
-        # q, k and v have a bias, o_proj has none, whatever the config says.
-        "attention_bias": "qkv",
-        "windowed_layers": "from_max_window_layers",
-    },
-    "qwen3": {
-        "defaults": {
-            "vocab_size": 151936,
-            "hidden_size": 4096,
-            "intermediate_size": 22016,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "head_dim": 128,
-            "max_position_embeddings": 32768,
-            "sliding_window": 4096,
-            "use_sliding_window": False,
-            "max_window_layers": 28,
-        },
-        "qk_norm": True,
-        "windowed_layers": "from_max_window_layers",
-    },
-    "qwen3_moe": {
-        "defaults": {
-            "vocab_size": 151936,
-            "hidden_size": 2048,
-            "intermediate_size": 6144,
-            "num_hidden_layers": 24,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 32768,
-            "sliding_window": 4096,
-            "use_sliding_window": False,
-            "num_experts": 128,
-            "num_experts_per_tok": 8,
-            "moe_intermediate_size": 768,
-            "decoder_sparse_step": 1,
-        },
-        "qk_norm": True,
-        "moe": "qwen3_moe",
-        "windowed_layers": "all_if_enabled",
-    },
-    "gemma": {
-        "defaults": {
-            "vocab_size": 256000,
-            "hidden_size": 3072,
-            "intermediate_size": 24576,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 16,
-            "head_dim": 256,
-            "max_position_embeddings": 8192,
-            "tie_word_embeddings": True,
-            "hidden_act": "gelu_pytorch_tanh",
-        },
-    },
-    "gemma2": {
-        "defaults": {
-            "vocab_size": 256000,
-            "hidden_size": 2304,
-            "intermediate_size": 9216,
-            "num_hidden_layers": 26,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 256,
-            "max_position_embeddings": 8192,
-            "tie_word_embeddings": True,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "sliding_window": 4096,
-            "final_logit_softcapping": 30.0,
-            "attn_logit_softcapping": 50.0,
-        },
-        "act_key": "hidden_activation",
-        "sandwich_norm": True,
-        "windowed_layers": "pattern",
-        "sliding_window_pattern": 2,
-    },
-    "gemma3_text": {
-        "defaults": {
-            "vocab_size": 262208,
-            "hidden_size": 2304,
-            "intermediate_size": 9216,
-            "num_hidden_layers": 26,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 256,
-            "max_position_embeddings": 131072,
-            "tie_word_embeddings": True,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "sliding_window": 4096,
-        },
-        "act_key": "hidden_activation",
-        "qk_norm": True,
-        "sandwich_norm": True,
-        "windowed_layers": "pattern",
-        "sliding_window_pattern": 6,
-    },
-    "phi3": {
-        "defaults": {
-            "vocab_size": 32064,
-            "hidden_size": 3072,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "max_position_embeddings": 4096,
-        },
-        "attention_bias": "never",
-        "fused": True,
-    },
-}
-
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_FAMILIES, "gemma3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -201,22 +40,26 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     if config.get("model_type") is None:
         raise MemplanError("the model config has no 'model_type' key")
     model_type = _string(config, "model_type")
-    if model_type == "gemma3":
+    text_family = TEXT_FAMILY_OF.get(model_type)
+    if text_family is not None:
         text_config = config.get("text_config")
         if not isinstance(text_config, dict):
-            raise MemplanError("this gemma3 config has no text_config object to read")
-        if text_config.get("model_type", "gemma3_text") != "gemma3_text":
-            raise _bad_value("text_config.model_type", text_config["model_type"], '"gemma3_text"')
-        config = {**text_config, "model_type": "gemma3_text"}
-        model_type = "gemma3_text"
-    family = _FAMILIES.get(model_type)
+            raise MemplanError(f"this {model_type} config has no text_config object to read")
+        if text_config.get("model_type", text_family) != text_family:
+            raise _bad_value(
+                "text_config.model_type", text_config["model_type"], f'"{text_family}"'
+            )
+        config = {**text_config, "model_type": text_family}
+        model_type = text_family
+    family = FAMILIES.get(model_type)
     if family is None:
         raise MemplanError(
             f"model_type {model_type!r} is not supported; supported model types: "
             + ", ".join(SUPPORTED_MODEL_TYPES)
         )
+    rules = family.config
 
-    cfg = {**_COMMON, **family["defaults"]}
+    cfg = {**_COMMON, **rules.defaults}
     # For these keys a null in config.json means the class default, as in transformers.
     cfg.update({k: v for k, v in config.items() if v is not None or k not in _NULL_MEANS_DEFAULT})
 
@@ -235,9 +78,9 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
             f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
         )
 
-    attention_bias, attention_out_bias = _attention_biases(family, cfg)
-    sliding_window, layer_types = _attention_windows(family, cfg, layers)
-    num_experts, experts_per_tok, moe_intermediate = _experts(family, cfg, config)
+    attention_bias, attention_out_bias = _attention_biases(rules, cfg)
+    sliding_window, layer_types = _attention_windows(rules, cfg, layers)
+    num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
 
     fields = {
         "name": name,
@@ -254,15 +97,15 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "use_cache": _boolean(cfg, "use_cache"),
         # The original Gemma releases say "gelu", which transformers builds as exact (erf) GELU:
         # kept as given (geglu with approximate="none"; the patch checks the module's act_fn).
-        "hidden_act": _string(cfg, family.get("act_key", "hidden_act")),
+        "hidden_act": _string(cfg, rules.act_key),
         "norm": "rms",
         "attention_bias": attention_bias,
         "attention_out_bias": attention_out_bias,
-        "mlp_bias": _boolean(cfg, "mlp_bias") if model_type == "llama" else False,
-        "qk_norm": family.get("qk_norm", False),
-        "sandwich_norm": family.get("sandwich_norm", False),
-        "fused_qkv": family.get("fused", False),
-        "fused_gate_up": family.get("fused", False),
+        "mlp_bias": _boolean(cfg, "mlp_bias") if rules.mlp_bias else False,
+        "qk_norm": rules.qk_norm,
+        "sandwich_norm": rules.sandwich_norm,
+        "fused_qkv": rules.fused,
+        "fused_gate_up": rules.fused,
         "final_logit_softcapping": _optional_positive_float(cfg, "final_logit_softcapping"),
         "attn_logit_softcapping": _optional_positive_float(cfg, "attn_logit_softcapping"),
         "sliding_window": sliding_window,
@@ -385,8 +228,8 @@ def _optional_list(cfg: dict[str, Any], key: str) -> list[Any]:
 # ----------------------------------------------------------------------------- family rules
 
 
-def _attention_biases(family: dict[str, Any], cfg: dict[str, Any]) -> tuple[bool, bool]:
-    rule = family.get("attention_bias", "config")
+def _attention_biases(rules: ConfigRules, cfg: dict[str, Any]) -> tuple[bool, bool]:
+    rule = rules.attention_bias
     if rule == "never":
         return False, False
     if rule == "qkv":
@@ -396,10 +239,10 @@ def _attention_biases(family: dict[str, Any], cfg: dict[str, Any]) -> tuple[bool
 
 
 def _attention_windows(
-    family: dict[str, Any], cfg: dict[str, Any], layers: int
+    rules: ConfigRules, cfg: dict[str, Any], layers: int
 ) -> tuple[int | None, tuple[str, ...] | None]:
     """The sliding window and, when any layer uses it, every layer's attention type."""
-    rule = family.get("windowed_layers", "all")
+    rule = rules.windowed_layers
     if rule in ("from_max_window_layers", "all_if_enabled") and not _boolean(
         cfg, "use_sliding_window"
     ):
@@ -418,9 +261,9 @@ def _attention_windows(
             )
     elif rule == "pattern":
         pattern = (
-            _optional_positive_int(cfg, "sliding_window_pattern")
-            or family["sliding_window_pattern"]
+            _optional_positive_int(cfg, "sliding_window_pattern") or rules.sliding_window_pattern
         )
+        assert pattern is not None  # ConfigRules requires one with this rule
         types = tuple(
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
         )
@@ -437,17 +280,14 @@ def _attention_windows(
 
 
 def _experts(
-    family: dict[str, Any], cfg: dict[str, Any], config: dict[str, Any]
+    rules: ConfigRules, cfg: dict[str, Any], config: dict[str, Any], model_type: str
 ) -> tuple[int, int, int]:
-    kind = family.get("moe")
-    if kind is None:
+    moe = rules.moe
+    if moe is None:
         return 0, 0, 0
     # transformers maps num_experts <-> num_local_experts, so a config may carry either.
-    native, alias = (
-        ("num_local_experts", "num_experts")
-        if kind == "mixtral"
-        else ("num_experts", "num_local_experts")
-    )
+    native = moe.experts_key
+    alias = "num_experts" if native == "num_local_experts" else "num_local_experts"
     given_as_alias = config.get(native) is None and config.get(alias) is not None
     experts = _positive_int(cfg, alias if given_as_alias else native)
     per_tok = _positive_int(cfg, "num_experts_per_tok")
@@ -455,11 +295,11 @@ def _experts(
         raise MemplanError(
             f"num_experts_per_tok ({per_tok}) is more than the number of experts ({experts})"
         )
-    if kind == "mixtral":
-        return experts, per_tok, _positive_int(cfg, "intermediate_size")
-    if _optional_list(cfg, "mlp_only_layers") or _positive_int(cfg, "decoder_sparse_step") != 1:
+    if moe.dense_layers_key is not None and (
+        _optional_list(cfg, moe.dense_layers_key) or _positive_int(cfg, "decoder_sparse_step") != 1
+    ):
         raise MemplanError(
-            "qwen3_moe configs with dense layers (mlp_only_layers or decoder_sparse_step > 1) "
-            "are not supported; every layer must be a mixture of experts"
+            f"{model_type} configs with dense layers ({moe.dense_layers_key} or "
+            "decoder_sparse_step > 1) are not supported; every layer must be a mixture of experts"
         )
-    return experts, per_tok, _positive_int(cfg, "moe_intermediate_size")
+    return experts, per_tok, _positive_int(cfg, moe.expert_width_key)

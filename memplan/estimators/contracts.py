@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.params import LORA_TARGET_SHAPES, lora_targets_modelled
 from memplan.estimators.releases import Release
+from memplan.families import FAMILIES
 from memplan.schema import GLU_KERNEL_BY_ACTIVATION, ModelSpec, TrainSetup
 
 FP32 = 4
@@ -294,13 +295,15 @@ def moe_saved(ctx: LayerContext, out: Saved) -> None:
         spec.moe_intermediate_size,
         spec.hidden_size,
     )
-    normalized = spec.hf_config.get("norm_topk_prob", spec.model_type == "mixtral")
+    router = FAMILIES[spec.model_type].config.moe
+    assert router is not None, f"{spec.model_type} has no MoE rules"
+    normalized = spec.hf_config.get("norm_topk_prob", router.normalizes_by_default)
     out.add_each("moe.router", FP32 * e, INT64 * k, *((FP32, FP32 * k) if normalized else ()))
     # Each routed row keeps its routing weight (for the product that applies it): fp32 from
     # Mixtral's router softmax; qwen3_moe's router casts it to the router logits' dtype. Before
     # transformers 5.18, also one bool, the mask of expert-parallel sentinel rows that
     # masked_fill keeps, on every backend.
-    routing_weight = FP32 if spec.model_type == "mixtral" else ctx.dtypes.proj
+    routing_weight = FP32 if router.fp32_routing_weights else ctx.dtypes.proj
     # Per routed row: the gathered input (twice when the expert matmuls keep it for their
     # weight's gradient), gate, up, act(gate) and the product (each moe_intermediate wide),
     # three index rows, the routing weight and, before transformers 5.18, the mask bool; frozen
@@ -410,7 +413,7 @@ def layer_saved(ctx: LayerContext) -> Saved:
 
 def gemma_norms(spec: ModelSpec) -> bool:
     """Gemma's RMSNorms compute in fp32 with (1 + w) and keep x * rstd for w's gradient."""
-    return spec.model_type.startswith("gemma")
+    return FAMILIES[spec.model_type].gemma_norms
 
 
 # The matmuls of a layer in forward order: q/k/v, o, gate/up (MoE: router and experts' gate

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from memplan.families import FAMILIES
 from memplan.schema import TrainSetup
 
 CONTRACTS_RELEASE = "5.17.0"
@@ -20,10 +21,6 @@ MOE_SENTINEL_MASK_UNTIL = (5, 18)
 # From 5.24 DynamicLayer makes the cache's values in value_states' dtype, not the keys'; under
 # autocast the keys are fp32 after RoPE and the values the projection's bf16 or fp16.
 KV_VALUES_IN_KEY_DTYPE_UNTIL = (5, 24)
-# model_type -> the first release whose model class refuses attn_implementation="sdpa" (Gemma 2
-# from 5.21: SDPA cannot softcap attention logits); transformers then builds it with eager.
-SDPA_REFUSED_FROM: dict[str, tuple[int, int]] = {"gemma2": (5, 21)}
-
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -60,7 +57,8 @@ class Release:
         return self.version[:2] < KV_VALUES_IN_KEY_DTYPE_UNTIL
 
     def refuses_sdpa(self, model_type: str) -> bool:
-        first = SDPA_REFUSED_FROM.get(model_type)
+        family = FAMILIES.get(model_type)
+        first = family.sdpa_refused_from if family is not None else None
         return first is not None and self.version[:2] >= first
 
 

@@ -1,23 +1,23 @@
 """memplan.apply / memplan.revert: patch a Hugging Face causal LM in place with memplan's
-kernels, per-family patch specs as data (specs.py), generic forwards (forwards.py), the
+kernels, per-family patch specs as data (memplan/families), generic forwards (forwards.py), the
 all-or-nothing engine (engine.py), the Auto class and the Trainer callback."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from memplan.families.patch_spec import PatchSpec
 from memplan.patching.auto import AutoMemplanModelForCausalLM
 from memplan.patching.engine import (
+    SUPPORTED_MODEL_TYPES,
     AppliedPatch,
     applied_patch,
     apply,
     revert,
     supported_kernels,
 )
-from memplan.patching.specs import SPECS, SUPPORTED_MODEL_TYPES, PatchSpec
 
 __all__ = [
-    "SPECS",
     "SUPPORTED_MODEL_TYPES",
     "AppliedPatch",
     "AutoMemplanModelForCausalLM",

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan.errors import MemplanError, UsageError
+from memplan.families import FAMILIES
+from memplan.families.patch_spec import PatchSpec
 from memplan.patching import forwards
-from memplan.patching.specs import SPECS, SUPPORTED_MODEL_TYPES, PatchSpec
 from memplan.schema import (
     GELU_APPROXIMATION,
-    GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
     SETUP_OPTIONS,
     ModelSpec,
@@ -35,6 +35,8 @@ from memplan.schema import (
 )
 from memplan.versions import warn_if_unvalidated
 
+# The model types memplan.apply patches (a multimodal wrapper's text model is its family's).
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 _STATE_ATTR = "_memplan_patch_state"
 # accelerate.prepare's mixed-precision wrapper keeps the forward it wrapped under this name.
 _ACCELERATE_WRAPPED = "_original_forward"
@@ -304,28 +306,24 @@ def unwrap(model: nn.Module, caller: str = "memplan.apply") -> nn.Module:
 
 def spec_for(hf_model: nn.Module) -> PatchSpec:
     model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
-    spec = SPECS.get(model_type)
-    if spec is None:
+    family = FAMILIES.get(model_type)
+    if family is None:
         raise MemplanError(
             f"memplan has no patch for model_type {model_type!r} ({type(hf_model).__name__}); "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return spec
+    return family.patch
 
 
 def supported_kernels(hf_model: nn.Module) -> tuple[str, ...]:
     """The kernels this model instance can use, in KERNEL_NAMES order."""
     spec = spec_for(hf_model)
-    found = {"rms_norm", "rope"}
-    if spec.mlp is not None:
-        activation = getattr(hf_model.config, spec.mlp.activation_config_attr, None)
-        glu = GLU_KERNEL_BY_ACTIVATION.get(activation)
-        if glu is not None:
-            found.add(glu)
-    if forwards.module_class(hf_model).__name__ in spec.causal_lm.classes:
-        found |= {"cross_entropy", "flce"}
-    if _token_embedding(hf_model, spec) is not None:
-        found.add("embedding")
+    attr = spec.mlp.activation_config_attr if spec.mlp is not None else "hidden_act"
+    found = set(FAMILIES[spec.model_type].kernels(getattr(hf_model.config, attr, None) or ""))
+    if forwards.module_class(hf_model).__name__ not in spec.causal_lm.classes:
+        found -= {"cross_entropy", "flce"}  # a base model or another head
+    if _token_embedding(hf_model, spec) is None:
+        found.discard("embedding")
     return tuple(k for k in KERNEL_NAMES if k in found)
 
 

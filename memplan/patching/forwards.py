@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from memplan.patching.specs import (
+from memplan.families.patch_spec import (
     AttentionSpec,
     CausalLMSpec,
     DecoderLayerSpec,

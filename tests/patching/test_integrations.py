@@ -14,7 +14,7 @@ from torch import nn
 
 import memplan.patching as mp
 from memplan.errors import MemplanError, UsageError
-from memplan.patching.specs import SPECS
+from memplan.families import FAMILIES
 
 from .tiny_models import assert_grads_close, batch, build, lockstep, pair, rel_err, tiny_config
 
@@ -221,8 +221,9 @@ def test_specs_name_classes_transformers_defines():
     """Guards against transformers renaming a class a spec relies on."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    assert set(mp.SUPPORTED_MODEL_TYPES) == set(SPECS)
-    for model_type, spec in SPECS.items():
+    assert set(mp.SUPPORTED_MODEL_TYPES) == set(FAMILIES)
+    for model_type, family in FAMILIES.items():
+        spec = family.patch
         assert model_type in CONFIG_MAPPING_NAMES
         package = {"gemma3_text": "gemma3"}.get(model_type, model_type)
         modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")

@@ -7,19 +7,10 @@ import copy
 
 import torch
 
+from memplan.families import FAMILIES as _REGISTRY
+
 # family (config.model_type) -> the catalog entry its tiny model is shrunk from
-FAMILIES: dict[str, str] = {
-    "llama": "llama-3.2-1b",
-    "mistral": "mistral-7b-v0.3",
-    "qwen2": "qwen2.5-0.5b",
-    "qwen3": "qwen3-0.6b",
-    "gemma": "gemma-2b",
-    "gemma2": "gemma-2-2b",
-    "gemma3_text": "gemma-3-1b",
-    "phi3": "phi-3-mini",
-    "mixtral": "mixtral-8x7b",
-    "qwen3_moe": "qwen3-30b-a3b",
-}
+FAMILIES: dict[str, str] = {name: family.tiny_from for name, family in _REGISTRY.items()}
 
 TINY = {
     "hidden_size": 64,

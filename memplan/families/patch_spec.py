@@ -1,0 +1,110 @@
+"""What memplan patches in a model family, as data: the PatchSpec a family entry holds.
+
+A spec names the module classes of the family (by class name, as transformers defines them) and
+the few facts that differ between families: how the RMSNorm casts, how q/k/v are projected,
+where q/k norms sit, which attention options the family passes, the MLP layout and activation,
+and what the causal-LM head adds to the loss. The generic forwards in
+`memplan/patching/forwards.py` read these fields. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """RMSNorm modules -> memplan.kernels.rms_norm.
+
+    casting "llama": normalize in fp32, cast to the input dtype, multiply by the weight.
+    casting "gemma": everything in fp32 with weight (offset + w), cast at the end.
+    in_place_backward: the kernel may write dX into dY's buffer. Not where the norm's output
+    gradient is also the residual's (Gemma 2/3 post-norms feed a residual add directly)."""
+
+    classes: tuple[str, ...]
+    eps_attr: str = "variance_epsilon"
+    casting: Literal["llama", "gemma"] = "llama"
+    offset: float = 0.0
+    in_place_backward: bool = True
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Attention modules whose forward is replaced by the one generic attention forward that
+    applies memplan's RoPE kernel and then calls transformers' attention interface.
+
+    qkv: "separate" (q_proj, k_proj, v_proj) or "fused" (one qkv_proj, phi3).
+    qk_norm: per-head RMSNorm on q and k (q_norm, k_norm; Qwen3, Gemma 3).
+    sliding_window: where the family reads the window it passes to the interface: the module's
+        `sliding_window` attribute, the config's, or nowhere.
+    softcap_attr: module attribute holding the attention-logit softcap (Gemma 2), passed as
+        `softcap=`."""
+
+    classes: tuple[str, ...]
+    qkv: Literal["separate", "fused"] = "separate"
+    qk_norm: bool = False
+    sliding_window: Literal["module", "config"] | None = None
+    softcap_attr: str | None = None
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """Gated MLP modules -> swiglu or geglu, picked by the config's activation name.
+
+    fused_gate_up: one gate_up_proj whose output halves are (gate, up) (phi3)."""
+
+    classes: tuple[str, ...]
+    activation_config_attr: str = "hidden_act"
+    fused_gate_up: bool = False
+
+
+@dataclass(frozen=True)
+class CausalLMSpec:
+    """The *ForCausalLM module whose forward routes the training loss to FLCE (or the
+    cross-entropy kernel).
+
+    final_logit_softcapping: the family caps the logits with config.final_logit_softcapping.
+    moe_aux_loss: the family adds router_aux_loss_coef x the load-balancing loss (MoE)."""
+
+    classes: tuple[str, ...]
+    base_model_attr: str = "model"
+    final_logit_softcapping: bool = False
+    moe_aux_loss: bool = False
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """The token embedding -> memplan.kernels.embedding: an nn.Embedding itself, or the family's
+    subclass `scaled_class` whose forward multiplies the lookup by its `scale_attr` (Gemma)."""
+
+    scaled_class: str | None = None
+    scale_attr: str = "embed_scale"
+
+
+@dataclass(frozen=True)
+class DecoderLayerSpec:
+    """Pre-norm decoder layers (input_layernorm, self_attn, residual add, post_attention_layernorm,
+    mlp, residual add), whose forward is replaced with patched norms: each residual add runs in
+    the norm that follows it (the next layer's input_layernorm, or the model's final norm, for
+    the layer's last add), and a norm's output reaches each projection that reads it as its own
+    view, so their gradients are summed in the norm's backward instead of by autograd.
+
+    branch_dropouts: dropout modules on the attention and MLP outputs before their adds (phi3).
+    final_norm_attr: the base model's norm after the last layer."""
+
+    classes: tuple[str, ...]
+    branch_dropouts: tuple[str, str] | None = None
+    final_norm_attr: str = "norm"
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    model_type: str
+    norm: NormSpec
+    attention: AttentionSpec
+    causal_lm: CausalLMSpec
+    mlp: MlpSpec | None = None
+    # None: the family's layers keep their forward (Gemma 2/3 put norms after attention and MLP)
+    decoder_layer: DecoderLayerSpec | None = None
+    embedding: EmbeddingSpec = field(default=EmbeddingSpec())
+    notes: tuple[str, ...] = field(default=())

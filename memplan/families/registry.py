@@ -1,0 +1,345 @@
+"""The families memplan knows, one entry per `config.model_type`: adding a family is adding an
+entry here (and its catalog configs and tests). Catalog, estimator, advisor and patcher read
+these entries and nothing else about a family."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from memplan.families.family import ConfigRules, Family, MoeRules
+from memplan.families.patch_spec import (
+    AttentionSpec,
+    CausalLMSpec,
+    DecoderLayerSpec,
+    EmbeddingSpec,
+    MlpSpec,
+    NormSpec,
+    PatchSpec,
+)
+
+
+def _classes(prefix: str, *suffixes: str) -> tuple[str, ...]:
+    return tuple(prefix + suffix for suffix in suffixes)
+
+
+def _llama_like_patch(
+    model_type: str,
+    prefix: str,
+    *,
+    sliding_window: Literal["module", "config"] | None = None,
+    qk_norm: bool = False,
+) -> PatchSpec:
+    return PatchSpec(
+        model_type=model_type,
+        norm=NormSpec(classes=_classes(prefix, "RMSNorm")),
+        attention=AttentionSpec(
+            classes=_classes(prefix, "Attention"), qk_norm=qk_norm, sliding_window=sliding_window
+        ),
+        mlp=MlpSpec(classes=_classes(prefix, "MLP")),
+        causal_lm=CausalLMSpec(classes=_classes(prefix, "ForCausalLM")),
+        decoder_layer=DecoderLayerSpec(classes=_classes(prefix, "DecoderLayer")),
+    )
+
+
+def _gemma_norm(prefix: str, *, in_place_backward: bool) -> NormSpec:
+    return NormSpec(
+        classes=_classes(prefix, "RMSNorm"),
+        eps_attr="eps",
+        casting="gemma",
+        offset=1.0,
+        in_place_backward=in_place_backward,
+    )
+
+
+_EXPERTS_KEPT = ("the experts (3-D fused weights) keep transformers' implementation",)
+
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        Family(
+            model_type="llama",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 32000,
+                    "hidden_size": 4096,
+                    "intermediate_size": 11008,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "max_position_embeddings": 2048,
+                },
+                mlp_bias=True,
+            ),
+            patch=_llama_like_patch("llama", "Llama"),
+            tiny_from="llama-3.2-1b",
+        ),
+        Family(
+            model_type="mistral",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 32000,
+                    "hidden_size": 4096,
+                    "intermediate_size": 14336,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "num_key_value_heads": 8,
+                    "max_position_embeddings": 131072,
+                    "sliding_window": 4096,
+                },
+                attention_bias="never",
+            ),
+            patch=_llama_like_patch("mistral", "Mistral", sliding_window="config"),
+            tiny_from="mistral-7b-v0.3",
+        ),
+        Family(
+            model_type="mixtral",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 32000,
+                    "hidden_size": 4096,
+                    "intermediate_size": 14336,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "num_key_value_heads": 8,
+                    "max_position_embeddings": 131072,
+                    "num_local_experts": 8,
+                    "num_experts_per_tok": 2,
+                },
+                attention_bias="never",
+                moe=MoeRules(
+                    experts_key="num_local_experts",
+                    expert_width_key="intermediate_size",
+                    normalizes_by_default=True,
+                    fp32_routing_weights=True,
+                ),
+            ),
+            patch=PatchSpec(
+                model_type="mixtral",
+                norm=NormSpec(classes=("MixtralRMSNorm",)),
+                attention=AttentionSpec(classes=("MixtralAttention",), sliding_window="config"),
+                causal_lm=CausalLMSpec(classes=("MixtralForCausalLM",), moe_aux_loss=True),
+                decoder_layer=DecoderLayerSpec(classes=("MixtralDecoderLayer",)),
+                notes=_EXPERTS_KEPT,
+            ),
+            tiny_from="mixtral-8x7b",
+        ),
+        Family(
+            model_type="qwen2",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 151936,
+                    "hidden_size": 4096,
+                    "intermediate_size": 22016,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "max_position_embeddings": 32768,
+                    "sliding_window": 4096,
+                    "use_sliding_window": False,
+                    "max_window_layers": 28,
+                },
+                # q, k and v have a bias, o_proj has none, whatever the config says.
+                attention_bias="qkv",
+                windowed_layers="from_max_window_layers",
+            ),
+            patch=_llama_like_patch("qwen2", "Qwen2", sliding_window="module"),
+            tiny_from="qwen2.5-0.5b",
+        ),
+        Family(
+            model_type="qwen3",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 151936,
+                    "hidden_size": 4096,
+                    "intermediate_size": 22016,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "head_dim": 128,
+                    "max_position_embeddings": 32768,
+                    "sliding_window": 4096,
+                    "use_sliding_window": False,
+                    "max_window_layers": 28,
+                },
+                qk_norm=True,
+                windowed_layers="from_max_window_layers",
+            ),
+            patch=_llama_like_patch("qwen3", "Qwen3", sliding_window="module", qk_norm=True),
+            tiny_from="qwen3-0.6b",
+        ),
+        Family(
+            model_type="qwen3_moe",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 151936,
+                    "hidden_size": 2048,
+                    "intermediate_size": 6144,
+                    "num_hidden_layers": 24,
+                    "num_attention_heads": 32,
+                    "num_key_value_heads": 4,
+                    "max_position_embeddings": 32768,
+                    "sliding_window": 4096,
+                    "use_sliding_window": False,
+                    "num_experts": 128,
+                    "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 768,
+                    "decoder_sparse_step": 1,
+                },
+                qk_norm=True,
+                windowed_layers="all_if_enabled",
+                moe=MoeRules(
+                    experts_key="num_experts",
+                    expert_width_key="moe_intermediate_size",
+                    normalizes_by_default=False,
+                    fp32_routing_weights=False,
+                    dense_layers_key="mlp_only_layers",
+                ),
+            ),
+            patch=PatchSpec(
+                model_type="qwen3_moe",
+                norm=NormSpec(classes=("Qwen3MoeRMSNorm",)),
+                attention=AttentionSpec(
+                    classes=("Qwen3MoeAttention",), qk_norm=True, sliding_window="module"
+                ),
+                # Only the dense layers (config.mlp_only_layers) have a Qwen3MoeMLP.
+                mlp=MlpSpec(classes=("Qwen3MoeMLP",)),
+                causal_lm=CausalLMSpec(classes=("Qwen3MoeForCausalLM",), moe_aux_loss=True),
+                decoder_layer=DecoderLayerSpec(classes=("Qwen3MoeDecoderLayer",)),
+                notes=_EXPERTS_KEPT,
+            ),
+            tiny_from="qwen3-30b-a3b",
+        ),
+        Family(
+            model_type="gemma",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 256000,
+                    "hidden_size": 3072,
+                    "intermediate_size": 24576,
+                    "num_hidden_layers": 28,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 16,
+                    "head_dim": 256,
+                    "max_position_embeddings": 8192,
+                    "tie_word_embeddings": True,
+                    "hidden_act": "gelu_pytorch_tanh",
+                },
+            ),
+            patch=PatchSpec(
+                model_type="gemma",
+                norm=_gemma_norm("Gemma", in_place_backward=True),
+                attention=AttentionSpec(classes=("GemmaAttention",)),
+                mlp=MlpSpec(classes=("GemmaMLP",)),
+                causal_lm=CausalLMSpec(classes=("GemmaForCausalLM",)),
+                embedding=EmbeddingSpec(scaled_class="GemmaTextScaledWordEmbedding"),
+                decoder_layer=DecoderLayerSpec(classes=("GemmaDecoderLayer",)),
+            ),
+            tiny_from="gemma-2b",
+        ),
+        Family(
+            model_type="gemma2",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 256000,
+                    "hidden_size": 2304,
+                    "intermediate_size": 9216,
+                    "num_hidden_layers": 26,
+                    "num_attention_heads": 8,
+                    "num_key_value_heads": 4,
+                    "head_dim": 256,
+                    "max_position_embeddings": 8192,
+                    "tie_word_embeddings": True,
+                    "hidden_activation": "gelu_pytorch_tanh",
+                    "sliding_window": 4096,
+                    "final_logit_softcapping": 30.0,
+                    "attn_logit_softcapping": 50.0,
+                },
+                act_key="hidden_activation",
+                sandwich_norm=True,
+                windowed_layers="pattern",
+                sliding_window_pattern=2,
+            ),
+            patch=PatchSpec(
+                model_type="gemma2",
+                norm=_gemma_norm("Gemma2", in_place_backward=False),
+                attention=AttentionSpec(
+                    classes=("Gemma2Attention",),
+                    sliding_window="module",
+                    softcap_attr="attn_logit_softcapping",
+                ),
+                mlp=MlpSpec(classes=("Gemma2MLP",), activation_config_attr="hidden_activation"),
+                causal_lm=CausalLMSpec(
+                    classes=("Gemma2ForCausalLM",), final_logit_softcapping=True
+                ),
+                embedding=EmbeddingSpec(scaled_class="Gemma2TextScaledWordEmbedding"),
+            ),
+            tiny_from="gemma-2-2b",
+            sdpa_refused_from=(5, 21),  # SDPA cannot softcap the attention logits
+        ),
+        Family(
+            model_type="gemma3_text",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 262208,
+                    "hidden_size": 2304,
+                    "intermediate_size": 9216,
+                    "num_hidden_layers": 26,
+                    "num_attention_heads": 8,
+                    "num_key_value_heads": 4,
+                    "head_dim": 256,
+                    "max_position_embeddings": 131072,
+                    "tie_word_embeddings": True,
+                    "hidden_activation": "gelu_pytorch_tanh",
+                    "sliding_window": 4096,
+                },
+                act_key="hidden_activation",
+                qk_norm=True,
+                sandwich_norm=True,
+                windowed_layers="pattern",
+                sliding_window_pattern=6,
+            ),
+            patch=PatchSpec(
+                model_type="gemma3_text",
+                norm=_gemma_norm("Gemma3", in_place_backward=False),
+                attention=AttentionSpec(
+                    classes=("Gemma3Attention",),
+                    qk_norm=True,
+                    sliding_window="module",
+                ),
+                mlp=MlpSpec(classes=("Gemma3MLP",), activation_config_attr="hidden_activation"),
+                causal_lm=CausalLMSpec(
+                    classes=("Gemma3ForCausalLM",), final_logit_softcapping=True
+                ),
+                embedding=EmbeddingSpec(scaled_class="Gemma3TextScaledWordEmbedding"),
+            ),
+            tiny_from="gemma-3-1b",
+            wrapped_by=("gemma3",),
+        ),
+        Family(
+            model_type="phi3",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 32064,
+                    "hidden_size": 3072,
+                    "intermediate_size": 8192,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "max_position_embeddings": 4096,
+                },
+                attention_bias="never",
+                fused=True,
+            ),
+            patch=PatchSpec(
+                model_type="phi3",
+                norm=NormSpec(classes=("Phi3RMSNorm",)),
+                attention=AttentionSpec(
+                    classes=("Phi3Attention",), qkv="fused", sliding_window="config"
+                ),
+                mlp=MlpSpec(classes=("Phi3MLP",), fused_gate_up=True),
+                causal_lm=CausalLMSpec(classes=("Phi3ForCausalLM",)),
+                decoder_layer=DecoderLayerSpec(
+                    classes=("Phi3DecoderLayer",),
+                    branch_dropouts=("resid_attn_dropout", "resid_mlp_dropout"),
+                ),
+            ),
+            tiny_from="phi-3-mini",
+        ),
+    )
+}
