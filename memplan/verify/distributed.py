@@ -20,10 +20,19 @@ from memplan.schema import TrainSetup
 MEASURED_STRATEGIES = ("ddp", "fsdp2")
 
 
-def build_device(setup: TrainSetup, device: str) -> str:
-    """Where the child builds the model: FSDP2 loads it CPU-RAM-efficiently (on the CPU, then
-    each rank takes its shards), everything else on the GPU."""
-    return "cpu" if setup.strategy == "fsdp2" else device
+def prepares_from_cpu(setup: TrainSetup) -> bool:
+    """FSDP2 loads the model CPU-RAM-efficiently: from the CPU, each rank takes its shards."""
+    return setup.strategy == "fsdp2"
+
+
+def init_device(setup: TrainSetup, device: str, model_bytes: int | None, free_bytes: int) -> str:
+    """Where the child initializes the model's weights: on the GPU, unless FSDP2 needs a model
+    of unknown size or one that takes more than half the GPU's free memory (a rank need never
+    hold it whole); an FSDP2 model made on the GPU moves to the CPU before it is prepared
+    (random initialization on the GPU machine's CPU took 100-330 s for 2.5-8.5B models)."""
+    if prepares_from_cpu(setup) and (model_bytes is None or 2 * model_bytes > free_bytes):
+        return "cpu"
+    return device
 
 
 def init_process_group(setup: TrainSetup, device: str) -> None:

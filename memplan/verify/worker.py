@@ -107,7 +107,9 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
 
     setup = case.setup
     dtype = torch.bfloat16 if setup.precision == "bf16" else torch.float32
-    device = distributed.build_device(setup, DEVICE)
+    params = _param_count(case)
+    model_bytes = None if params is None else params * (2 if dtype == torch.bfloat16 else 4)
+    device = distributed.init_device(setup, DEVICE, model_bytes, torch.cuda.mem_get_info()[0])
     torch.manual_seed(0)
     try:
         if case.checkpoint is not None:
@@ -132,6 +134,11 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
         raise _Failure(
             "build", f"the model failed to build: {_one_line(exc)}", protocol.EXIT_BUILD
         ) from exc
+    if distributed.prepares_from_cpu(setup) and device != "cpu":
+        # made on the GPU for speed; prepared from the CPU, with no trace left in the allocator
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     model.train()
     rec["n_params"] = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
@@ -186,6 +193,20 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
     torch.cuda.synchronize()
     rec["after_model_bytes"] = torch.cuda.memory_allocated()
     return model, vocab
+
+
+def _param_count(case: VerifyCase) -> int | None:
+    """The model's parameters as the estimator counts them; None for a model type without a
+    family entry."""
+    from memplan.errors import MemplanError
+    from memplan.estimators import count_params
+    from memplan.verify.predict import spec_from_hf_config
+
+    try:
+        spec = spec_from_hf_config({"model_type": case.model_type, **case.hf_config}, case.model)
+    except MemplanError:
+        return None
+    return count_params(spec).total
 
 
 def _applied_summary(applied: Any) -> dict[str, Any]:

@@ -285,3 +285,25 @@ def test_zero_is_predicted_only(fake_cuda):
     m, code = worker.run(make_case(strategy="zero2", gpus=2))
     assert code == protocol.EXIT_BUILD and m.error_kind == "build"
     assert "ddp and fsdp2" in m.error
+
+
+@pytest.mark.parametrize(
+    ("strategy", "model_gib", "expected"),
+    [
+        ("fsdp2", 17, "cuda"),  # gemma-7b in bf16: made on the GPU, prepared from the CPU
+        ("fsdp2", 41, "cpu"),  # over half the free memory: never whole on the GPU
+        ("fsdp2", None, "cpu"),  # a model type without a family entry: size unknown
+        ("ddp", 41, "cuda"),
+        (None, 41, "cuda"),
+    ],
+)
+def test_fsdp2_models_are_made_on_the_gpu_when_they_fit_twice(strategy, model_gib, expected):
+    setup = TrainSetup(batch=1, seq=16, strategy=strategy, gpus=2 if strategy else 1)
+    model_bytes = None if model_gib is None else model_gib * GIB
+    assert worker.distributed.init_device(setup, "cuda", model_bytes, 79 * GIB) == expected
+
+
+def test_the_child_counts_the_parameters_it_builds(fake_cuda):
+    m, code = worker.run(make_case(strategy="fsdp2", gpus=2))
+    assert code == protocol.EXIT_OK, m.error
+    assert worker._param_count(make_case()) == m.n_params
