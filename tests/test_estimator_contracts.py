@@ -292,9 +292,10 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
 )
 def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> None:
     """transformers builds a KV cache in training (k after RoPE in the residual dtype, v in k's
-    before transformers 5.24, in its own after),
-    held by the output until forward returns; not with checkpointing, nor under memplan's
-    causal-LM forward. The estimator's cache bytes equal the cache the model returns."""
+    before transformers 5.24, in its own after), held by the output until forward returns; not
+    with checkpointing, nor under memplan's causal-LM forward. The estimator's cache bytes equal
+    those of the cache's tensors that autograd does not also save (attention saves the cache's
+    own k and v where it takes them as they are)."""
     import memplan
     from memplan.estimators.timeline import step_sizes, walk_run
 
@@ -314,13 +315,20 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     if setup.kernels:
         memplan.apply(model, plan=None, kernels=list(setup.kernels))
     ids = torch.randint(0, cfg.vocab_size, (PROBE["batch"], PROBE["seq"]))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.startswith("amp")):
+    saved: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.startswith("amp")),
+    ):
         cache = model(input_ids=ids, labels=ids).past_key_values
-    measured = (
-        0
-        if cache is None
-        else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    )
+    layers = [] if cache is None else cache.layers
+    tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+    measured = sum(t.nbytes for t in tensors if t.untyped_storage().data_ptr() not in saved)
     spec = spec_from_config(probe_config(model_type))
     (_, walk), _ = walk_run(spec, setup, step_sizes(spec, setup, None, "cpu"))
     assert measured == max(snapshot.get("kv_cache", 0) for snapshot in walk.snapshots)

@@ -253,6 +253,27 @@ def sdpa_math_path(spec: ModelSpec, dtypes: DtypePlan, backend: str, masked: boo
     return dtypes.proj == FP32 and backend == "cuda" and grouped and not masked
 
 
+def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -> tuple[bool, bool]:
+    """Whether the KV cache's keys and values (of `key_bytes` and `value_bytes` per element) are
+    the very tensors attention saves for backward, so that the cache adds no memory: the cache
+    hands its tensors to attention, which saves them when it takes them as they are, in their
+    dtype (not autocast's cast of fp32 keys) and unrepeated (the fused kernels take the grouped
+    heads; HF's repeat_kv returns them as they are with one group (kv == heads) and makes a
+    view with one KV head only where the memory-efficient kernel takes it)."""
+    spec, p = ctx.spec, ctx.dtypes.proj
+    nh, kv = spec.num_attention_heads, spec.num_key_value_heads
+    masked = attention_masked(ctx)
+    if ctx.setup.attn == "eager" or sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):
+        unrepeated = kv == nh
+    elif masked or (p == FP32 and ctx.backend == "cuda"):  # the memory-efficient kernel
+        unrepeated = kv == nh or (
+            kv == 1 and not (ctx.dtypes.autocast and "rope" not in ctx.kernels)
+        )
+    else:
+        unrepeated = True
+    return unrepeated and key_bytes == p, unrepeated and value_bytes == p
+
+
 def attention_masked(ctx: LayerContext) -> bool:
     """Whether SDPA gets an explicit mask: sliding-window layers once the sequence reaches the
     window (seen on gemma3 with seq == window)."""

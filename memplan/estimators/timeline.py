@@ -22,6 +22,7 @@ from memplan.estimators.contracts import (
     attention_masked,
     autocast_weight_params,
     gemma_norms,
+    kv_cache_shares_saved,
     layer_saved,
     norm_saved,
     runs_under_autocast,
@@ -342,7 +343,7 @@ class StepSizes:
     grad_hidden: int
     lm_head_grad: int
     layer_fwd_transient: list[int]
-    kv_cache: tuple[int, int]  # one layer's keys and values
+    kv_cache: list[list[int]]  # per layer, the cache's keys and values attention does not save
     autocast_cache: int
     mlp_bwd_transient: list[int]
     attention_bwd_transient: list[int]
@@ -431,7 +432,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         )
         if dtypes.autocast
         else 0,
-        kv_cache=kv_cache_tensors(spec, setup, dtypes),
+        kv_cache=kv_cache_added(spec, setup, dtypes, backend, under_autocast),
         # MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
         # (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
         # d(product) when the projections are separate).
@@ -452,15 +453,35 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     )
 
 
-def kv_cache_tensors(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
-    """The bytes of one layer's KV cache entries, keys then values. k after HF's RoPE takes the
-    dtype of cos/sin, the residual's (fp32 under autocast; memplan's RoPE keeps k's); the values
-    take the keys' dtype before transformers 5.24 (the cache was made from the keys' dtype),
-    their own (the projection's) after."""
-    elements = setup.batch * setup.seq * spec.num_key_value_heads * spec.head_dim
+def kv_cache_dtypes(setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
+    """Bytes per element of the KV cache's keys and values. k after HF's RoPE takes the dtype of
+    cos/sin, the residual's (fp32 under autocast; memplan's RoPE keeps k's); the values take the
+    keys' dtype before transformers 5.24 (the cache was made from the keys' dtype), their own
+    (the projection's) after."""
     key = dtypes.proj if "rope" in setup.kernels else dtypes.residual
     value = key if Release.of(setup.transformers).kv_values_in_key_dtype else dtypes.proj
+    return key, value
+
+
+def kv_cache_tensors(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
+    """The bytes of one layer's KV cache entries, keys then values (kv_cache_dtypes)."""
+    elements = setup.batch * setup.seq * spec.num_key_value_heads * spec.head_dim
+    key, value = kv_cache_dtypes(setup, dtypes)
     return round_block(elements * key), round_block(elements * value)
+
+
+def kv_cache_added(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str, under_autocast: bool
+) -> list[list[int]]:
+    """Per layer, the cache tensors that are not also attention's saved inputs: what the cache
+    adds to the forward's memory (contracts.kv_cache_shares_saved)."""
+    key, value = kv_cache_tensors(spec, setup, dtypes)
+    key_dtype, value_dtype = kv_cache_dtypes(setup, dtypes)
+    added = []
+    for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
+        shared = kv_cache_shares_saved(ctx, key_dtype, value_dtype)
+        added.append([n for n, kept in zip((key, value), shared, strict=True) if not kept])
+    return added
 
 
 def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -622,9 +643,9 @@ def walk_step(
 
     hf_loss = "flce" not in kernels and "cross_entropy" not in kernels
     # transformers builds a KV cache in training too, unless checkpointing turns it off or
-    # memplan's causal-LM forward (patched with a loss kernel) does: a copy of every layer's k
-    # and v, held by the model output until forward returns.
-    cache_layer = sizes.kv_cache if hf_loss and not ckpt and spec.use_cache else ()
+    # memplan's causal-LM forward (patched with a loss kernel) does: every layer's k and v, held
+    # by the model output until forward returns; memory of its own where attention saves others.
+    cached = hf_loss and not ckpt and spec.use_cache
     layout.forward_enter(builder, "tail" if tied else "embedding")
     forward_kept = builder.alloc_all("activations", (saved.shared, saved.embedding))
     if not tied:
@@ -634,7 +655,7 @@ def walk_step(
     for index, (before, after) in enumerate(saved.layer_entries):
         entries = before + after
         recomputed_later = entries if ckpt else []
-        kv_cache += builder.alloc_all("kv_cache", cache_layer)
+        kv_cache += builder.alloc_all("kv_cache", sizes.kv_cache[index] if cached else ())
         layout.forward_enter(builder, f"layer {index}")
         builder.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
         if ckpt:
