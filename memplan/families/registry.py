@@ -51,6 +51,16 @@ def _gemma_norm(prefix: str, *, in_place_backward: bool) -> NormSpec:
     )
 
 
+# MistralConfig's and MixtralConfig's shared defaults (Mistral-7B's sizes).
+_MISTRAL_7B = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+}
 _EXPERTS_KEPT = ("the experts (3-D fused weights) keep transformers' implementation",)
 
 FAMILIES: dict[str, Family] = {
@@ -75,16 +85,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="mistral",
             config=ConfigRules(
-                defaults={
-                    "vocab_size": 32000,
-                    "hidden_size": 4096,
-                    "intermediate_size": 14336,
-                    "num_hidden_layers": 32,
-                    "num_attention_heads": 32,
-                    "num_key_value_heads": 8,
-                    "max_position_embeddings": 131072,
-                    "sliding_window": 4096,
-                },
+                defaults={**_MISTRAL_7B, "sliding_window": 4096},
                 attention_bias="never",
             ),
             patch=_llama_like_patch("mistral", "Mistral", sliding_window="config"),
@@ -93,17 +94,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="mixtral",
             config=ConfigRules(
-                defaults={
-                    "vocab_size": 32000,
-                    "hidden_size": 4096,
-                    "intermediate_size": 14336,
-                    "num_hidden_layers": 32,
-                    "num_attention_heads": 32,
-                    "num_key_value_heads": 8,
-                    "max_position_embeddings": 131072,
-                    "num_local_experts": 8,
-                    "num_experts_per_tok": 2,
-                },
+                defaults={**_MISTRAL_7B, "num_local_experts": 8, "num_experts_per_tok": 2},
                 attention_bias="never",
                 moe=MoeRules(
                     experts_key="num_local_experts",
