@@ -280,6 +280,8 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
         ("phi3", "amp-bf16", {}),
         ("qwen3", "fp32", {}),
         ("llama", "bf16", {"grad_checkpointing": True}),
+        # the first layer's attention needs no gradient: it saves nothing, the cache is its own
+        ("llama", "bf16", {"lora_rank": 16, "lora_targets": ("gate_proj", "up_proj")}),
         # the patched models (minutes each under the interpreter)
         *(
             pytest.param(*case, marks=pytest.mark.slow)
@@ -312,6 +314,12 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     )
     if setup.grad_checkpointing:
         model.gradient_checkpointing_enable()
+    if setup.lora_rank:
+        peft = pytest.importorskip("peft")
+        lora = peft.LoraConfig(
+            r=setup.lora_rank, lora_alpha=32, target_modules=list(setup.lora_targets)
+        )
+        model = peft.get_peft_model(model, lora)
     if setup.kernels:
         memplan.apply(model, plan=None, kernels=list(setup.kernels))
     ids = torch.randint(0, cfg.vocab_size, (PROBE["batch"], PROBE["seq"]))

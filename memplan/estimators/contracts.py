@@ -255,23 +255,30 @@ def sdpa_math_path(spec: ModelSpec, dtypes: DtypePlan, backend: str, masked: boo
 
 def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -> tuple[bool, bool]:
     """Whether the KV cache's keys and values (of `key_bytes` and `value_bytes` per element) are
-    the very tensors attention saves for backward, so that the cache adds no memory: the cache
-    hands its tensors to attention, which saves them when it takes them as they are, in their
-    dtype (not autocast's cast of fp32 keys) and unrepeated (the fused kernels take the grouped
-    heads; HF's repeat_kv returns them as they are with one group (kv == heads) and makes a
-    view with one KV head only where the memory-efficient kernel takes it)."""
+    the very tensors attention saves for backward, so that the cache adds no memory: attention
+    saves the cache's tensors where it saves k and v at all (attention_saved), takes them in
+    their dtype (not autocast's cast of fp32 keys) and unrepeated (the fused kernels take the
+    grouped heads; HF's repeat_kv returns them as they are with one group, kv == heads, and
+    makes a view with one KV head where the memory-efficient kernel takes it)."""
     spec, p = ctx.spec, ctx.dtypes.proj
+    if not ctx.output_needs_grad(0):
+        return False, False
     nh, kv = spec.num_attention_heads, spec.num_key_value_heads
     masked = attention_masked(ctx)
+    key_saved = value_saved = True
     if ctx.setup.attn == "eager" or sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):
+        q_grad, k_grad, _ = qkv_need_grad(ctx)
+        key_saved, value_saved = q_grad, q_grad or k_grad
         unrepeated = kv == nh
     elif masked or (p == FP32 and ctx.backend == "cuda"):  # the memory-efficient kernel
-        unrepeated = kv == nh or (
-            kv == 1 and not (ctx.dtypes.autocast and "rope" not in ctx.kernels)
-        )
+        cast = ctx.dtypes.autocast and "rope" not in ctx.kernels
+        unrepeated = kv == nh or (kv == 1 and not cast)
     else:
         unrepeated = True
-    return unrepeated and key_bytes == p, unrepeated and value_bytes == p
+    return (
+        key_saved and unrepeated and key_bytes == p,
+        value_saved and unrepeated and value_bytes == p,
+    )
 
 
 def attention_masked(ctx: LayerContext) -> bool:
