@@ -26,15 +26,18 @@ def measure_predicted(
     only: str | None,
     timeout_s: float,
     say: Callable[[dict[str, Any], Measurement], str],
+    ranks: str = "simulated",
 ) -> Report:
-    """Run every predicted case (those whose name matches `only`) and write `results`."""
-    from memplan.verify.runner import run_case
+    """Run every predicted case (those whose name matches `only`) and write `results`; a case
+    of several GPUs runs its ranks as `ranks` says (memplan.verify.runner.with_ranks)."""
+    from memplan.verify.runner import run_case, with_ranks
 
     report = Report(label=label)
     for item in json.loads(predictions.read_text())["cases"]:
         case = VerifyCase.model_validate(item["case"])
         if only and not re.search(only, case.case):
             continue
+        case = with_ranks(case, ranks)
         m = run_case(case, timeout_s=timeout_s)
         report.measurements.append(m)
         print(f"{case.case}: {say(item, m)}", flush=True)
@@ -59,6 +62,7 @@ def main(
     m.add_argument("--out-dir", required=True)
     m.add_argument("--only")
     m.add_argument("--timeout", type=float, default=timeout_s)
+    m.add_argument("--ranks", choices=("auto", "torchrun", "simulated"), default="simulated")
     t = sub.add_parser("table")
     t.add_argument("predictions")
     t.add_argument("results")

@@ -5,13 +5,15 @@ mission's gemma-7b batch 8 x 4096 at the FSDP2 count advise gives and one fewer.
 
     python benchmarks/measure_distributed.py predict --gpu h100 --out PREDICTIONS.json
     python benchmarks/measure_distributed.py measure PREDICTIONS.json --out-dir DIR [--only RE]
+        [--ranks simulated|torchrun|auto]
     python benchmarks/measure_distributed.py table PREDICTIONS.json RESULTS.json
 
 `predict` needs no GPU: it writes every case with rank 0's allocated peak, step-1 peak and
 verdict predicted for the catalog GPU, before anything is measured (the first predictions).
 `measure` runs each in a fresh process (`memplan verify`'s child: FSDP2 over a fake process
-group of N ranks, DDP over one real rank) and writes DIR/distributed_results.json after every
-case. `table` prints the first predictions against the measurements, as markdown."""
+group of N ranks, DDP over one real rank; with --ranks torchrun, one process per GPU) and
+writes DIR/distributed_results.json after every case. `table` prints the first predictions
+against the measurements, as markdown."""
 
 from __future__ import annotations
 
@@ -234,6 +236,7 @@ def measure(args: argparse.Namespace) -> int:
         only=args.only,
         timeout_s=args.timeout,
         say=lambda item, m: f"{m.status} {m.error or ''} {m.error_pct}",
+        ranks=args.ranks,
     )
     return 0
 
@@ -259,7 +262,7 @@ def table(args: argparse.Namespace) -> int:
         if m.status != "ok" or not m.peak_bytes or not m.reserved_bytes:
             print(f"| {m.case} | {m.status} | | | | | | | |")
             continue
-        p = predictions[m.case]
+        p = predictions[m.case.removesuffix("_torchrun")]  # real ranks: the same setup
         case = VerifyCase.model_validate(p["case"])
         spec = spec_from_config(dict(case.hf_config), case.model)
         now = judge(spec, case.setup, resolve_gpu(p["gpu"]))

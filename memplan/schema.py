@@ -382,6 +382,9 @@ class VerifyCase(BaseModel):
     # Record every allocator event from before the model is built to the end of the measured
     # steps (Measurement.allocator_trace): the replay data of the allocator model's tests.
     record_allocator_trace: bool = False
+    # A case of several GPUs: its ranks simulated in one process on one GPU, or one torchrun
+    # process per GPU (memplan.verify.distributed).
+    ranks: Literal["simulated", "torchrun"] = "simulated"
 
 
 class MemoryEvent(BaseModel):

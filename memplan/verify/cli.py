@@ -6,6 +6,7 @@ ran but at least one ran out of memory (the result says above how many GiB)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -18,6 +19,7 @@ import click
 from memplan.errors import MemplanError, UsageError, positive_int
 from memplan.schema import Measurement, Report
 from memplan.verify import protocol
+from memplan.verify.runner import RANKS, with_ranks
 
 
 def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,6 +142,14 @@ def _profile_tables(m: Measurement, top: int = 10) -> list[Any]:
 )
 @click.option("--strategy", type=click.Choice(["ddp", "fsdp2"]), help="needed with --gpus > 1")
 @click.option(
+    "--ranks",
+    type=click.Choice(RANKS),
+    default="auto",
+    show_default=True,
+    help="--gpus > 1: one torchrun process per GPU, or every rank simulated on one GPU; auto "
+    "takes torchrun where this machine has a GPU per rank",
+)
+@click.option(
     "--reshard-after-forward/--no-reshard-after-forward",
     default=True,
     show_default=True,
@@ -203,6 +213,9 @@ def verify_command(**opts: Any) -> None:
         flce_chunk=positive_int("--flce-chunk", opts["flce_chunk"]),
         **_parallelism(opts),
     )
+    planned = [
+        dataclasses.replace(item, case=with_ranks(item.case, opts["ranks"])) for item in planned
+    ]
     timeout = positive_int("--timeout", opts["timeout"])
     try:
         report = _run_with_progress(planned, profile=opts["profile"], timeout_s=timeout)

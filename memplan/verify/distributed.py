@@ -1,15 +1,18 @@
-"""Data parallelism in the protocol's child process, prepared as accelerate prepares it, on the
-one GPU the child has (docs/distributed.md).
+"""Data parallelism in the protocol's child process, prepared as accelerate prepares it
+(docs/distributed.md).
 
-FSDP2 shards over a fake process group of `gpus` ranks (torch's fake_pg): its collectives do
-nothing, and every buffer FSDP2 asks for is really allocated, so rank 0's memory is that of a
-real rank 0. The model is built on the CPU and sharded by accelerate's own fsdp2_prepare_model
-with cpu_ram_efficient_loading, so no rank ever holds the whole model. DDP runs over a real
-one-rank group (under the fake group its reducer fails in backward); its buckets hold every
-gradient on any number of ranks."""
+Real ranks: the child runs under torchrun, one process per GPU (WORLD_SIZE = `gpus`), over
+NCCL (gloo on the CPU); rank 0 reports. Simulated ranks, on one GPU: FSDP2 shards over a fake
+process group of `gpus` ranks (torch's fake_pg): its collectives do nothing, and every buffer
+FSDP2 asks for is really allocated, so rank 0's memory is that of a real rank 0; DDP runs over
+a real one-rank group (under the fake group its reducer fails in backward), its buckets holding
+every gradient on any number of ranks. FSDP2 models are sharded by accelerate's own
+fsdp2_prepare_model with cpu_ram_efficient_loading: rank 0 holds the model on the CPU and
+every rank takes its shards."""
 
 from __future__ import annotations
 
+import os
 from types import MethodType, SimpleNamespace
 from typing import Any
 
@@ -35,6 +38,25 @@ def init_device(setup: TrainSetup, device: str, model_bytes: int | None, free_by
     return device
 
 
+def launched_ranks() -> int | None:
+    """The number of ranks torchrun started this process among (its WORLD_SIZE), else None."""
+    world = os.environ.get("WORLD_SIZE")
+    return int(world) if world else None
+
+
+def rank() -> int:
+    """This process's rank: torchrun's RANK, 0 for a child that simulates its ranks."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def select_device(device: str) -> None:
+    """Under torchrun, each rank computes on the GPU of its local rank."""
+    if device == "cuda" and launched_ranks() is not None:
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def init_process_group(setup: TrainSetup, device: str) -> None:
     import torch.distributed as dist
 
@@ -44,6 +66,12 @@ def init_process_group(setup: TrainSetup, device: str) -> None:
             f"{setup.strategy} is predicted only"
         )
     if dist.is_initialized():
+        return
+    world = launched_ranks()
+    if world is not None:
+        if world != setup.gpus:
+            raise MemplanError(f"torchrun started {world} ranks for a case of {setup.gpus} GPUs")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
         return
     if setup.strategy == "fsdp2":
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -82,14 +110,15 @@ def prepare(model: Any, setup: TrainSetup, device: str) -> Any:
         accelerator = SimpleNamespace(
             state=SimpleNamespace(fsdp_plugin=plugin),
             mixed_precision=mixed,
-            is_main_process=True,
+            is_main_process=rank() == 0,
             device=torch.device(device),
         )
         model = fsdp2_prepare_model(accelerator, model)
     else:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None)
+        ids = [torch.cuda.current_device()] if device == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=ids)
     if mixed != "no":
         model = _autocast_forward(model, mixed, device)
     return model

@@ -4,18 +4,21 @@ other GPU work was seen 4 GiB higher). Nothing here imports torch."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from memplan.errors import MemplanError, UsageError
 from memplan.schema import Gpu, Measurement, ModelSpec, ProfileTable, VerifyCase
 from memplan.verify import protocol
 from memplan.verify.predict import attach_prediction
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+WORKER = "memplan.verify.worker"
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
@@ -67,6 +70,46 @@ def _crashed(case: VerifyCase, message: str) -> Measurement:
     )
 
 
+RANKS = ("auto", "torchrun", "simulated")
+
+
+def child_argv(case: VerifyCase, python: str, args: list[str]) -> list[str]:
+    """The worker's command line: one process, or torchrun's one per GPU."""
+    if case.ranks == "torchrun":
+        world = f"--nproc-per-node={case.setup.gpus}"
+        return [python, "-m", "torch.distributed.run", "--standalone", world, "-m", WORKER, *args]
+    return [python, "-m", WORKER, *args]
+
+
+@functools.cache
+def visible_gpus(python: str = sys.executable) -> int:
+    """The CUDA devices a child process sees, counted in a process of its own (torch in this
+    one would take GPU memory the children measure)."""
+    probe = "import torch; print(torch.cuda.device_count())"
+    proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False)
+    return int(proc.stdout.strip()) if proc.returncode == 0 and proc.stdout.strip() else 0
+
+
+def with_ranks(
+    case: VerifyCase, ranks: str, gpus_here: Callable[[], int] = visible_gpus
+) -> VerifyCase:
+    """The case with its ranks run as `ranks` says ("auto": torchrun where this machine has a
+    GPU per rank); a torchrun case's name ends in _torchrun."""
+    if ranks not in RANKS:
+        raise UsageError(f"--ranks must be one of {', '.join(RANKS)}, not {ranks!r}")
+    if case.setup.strategy is None or case.setup.gpus == 1 or ranks == "simulated":
+        return case
+    here = gpus_here()
+    if ranks == "auto" and here < case.setup.gpus:
+        return case
+    if here < case.setup.gpus:
+        raise MemplanError(
+            f"--ranks torchrun needs {case.setup.gpus} GPUs for {case.case}; "
+            f"this machine has {here}"
+        )
+    return case.model_copy(update={"ranks": "torchrun", "case": f"{case.case}_torchrun"})
+
+
 def _run_child(
     case: VerifyCase, *, timeout_s: float | None, python: str | None
 ) -> tuple[Measurement, str]:
@@ -75,8 +118,7 @@ def _run_child(
         case_path = Path(tmp) / "case.json"
         out_path = Path(tmp) / "result.json"
         case_path.write_text(case.model_dump_json())
-        argv = [python or sys.executable, "-m", "memplan.verify.worker", str(case_path)]
-        argv.append(str(out_path))
+        argv = child_argv(case, python or sys.executable, [str(case_path), str(out_path)])
         try:
             proc = launch(argv, env=_child_env(case), timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
@@ -91,6 +133,8 @@ def _run_child(
         "ok": protocol.EXIT_OK,
         "oom": protocol.EXIT_OOM,
     }.get(measurement.status)
+    if case.ranks == "torchrun" and expected == protocol.EXIT_OOM:
+        expected = proc.returncode  # torchrun exits 1 when a rank failed, whatever its code
     if expected is not None and proc.returncode != expected:
         message = f"the worker wrote status {measurement.status} but exited {proc.returncode}"
         return _crashed(case, message), stderr

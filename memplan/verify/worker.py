@@ -184,6 +184,8 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
             model = distributed.prepare(model, setup, DEVICE)
             rec["env"]["accelerate"] = _version("accelerate")
             rec["env"]["world_size"] = str(setup.gpus)
+            real = distributed.launched_ranks() is not None
+            rec["env"]["ranks"] = "torchrun" if real else "simulated on one GPU"
     except Exception as exc:
         if _is_oom(exc):
             raise
@@ -505,6 +507,7 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
     }
     code = protocol.EXIT_OK
     try:
+        distributed.select_device(DEVICE)
         _check_gpu(rec)
         if case.setup.strategy is not None:
             try:
@@ -559,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     case = VerifyCase.model_validate_json(Path(args[0]).read_text())
     with contextlib.redirect_stdout(sys.stderr):  # stdout stays clean for the parent
         measurement, code = run(case)
-    Path(args[1]).write_text(measurement.model_dump_json(indent=1))
+    if distributed.rank() == 0:  # under torchrun, rank 0 reports
+        Path(args[1]).write_text(measurement.model_dump_json(indent=1))
     return code
 
 

@@ -86,8 +86,10 @@ class FakeLauncher:
         self.cases: list[VerifyCase] = []
 
     def __call__(self, argv: list[str], *, env: dict[str, str], timeout_s: float | None):
-        assert argv[1:3] == ["-m", "memplan.verify.worker"]
-        case = VerifyCase.model_validate_json(Path(argv[3]).read_text())
+        at = argv.index("memplan.verify.worker")  # after torchrun's options, or first
+        assert argv[at - 1] == "-m"
+        case_path, out_path = argv[at + 1], argv[at + 2]
+        case = VerifyCase.model_validate_json(Path(case_path).read_text())
         self.cases.append(case)
         fields, code = self.behaviour(case)
         if fields is not None:
@@ -100,7 +102,7 @@ class FakeLauncher:
                 "steps": case.steps,
                 "liger": case.liger,
             }
-            Path(argv[4]).write_text(
+            Path(out_path).write_text(
                 Measurement.model_validate({**base, **fields}).model_dump_json()
             )
         return subprocess.CompletedProcess(argv, code, stdout="", stderr="Traceback ...\nBoom\n")

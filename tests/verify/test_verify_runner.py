@@ -82,6 +82,17 @@ def test_exit_code_must_match_the_status(monkeypatch, fake_estimator):
     assert m.error == "the worker wrote status ok but exited 1"
 
 
+def test_torchrun_exits_1_for_a_rank_out_of_memory(monkeypatch, fake_estimator):
+    """torchrun reports a failed rank with its own exit code, not the worker's."""
+    launcher = FakeLauncher(lambda case: (oom_result(78.5)[0], 1))
+    monkeypatch.setattr(runner, "launch", launcher)
+    case = make_case().model_copy(
+        update={"ranks": "torchrun", "setup": TrainSetup(batch=2, seq=16, strategy="ddp", gpus=2)}
+    )
+    m = runner.run_case(case)
+    assert m.status == "oom" and m.oom_above_bytes is not None
+
+
 def test_timeout(monkeypatch, fake_estimator):
     def hang(argv, *, env, timeout_s):
         raise subprocess.TimeoutExpired(argv, timeout_s)
