@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from memplan.schema import Measurement, Report, VerifyCase  # noqa: E402
+from memplan.verify.runner import RANKS  # noqa: E402
 
 
 def measure_predicted(
@@ -32,6 +33,7 @@ def measure_predicted(
     of several GPUs runs its ranks as `ranks` says (memplan.verify.runner.with_ranks)."""
     from memplan.verify.runner import run_case, with_ranks
 
+    results.parent.mkdir(parents=True, exist_ok=True)
     report = Report(label=label)
     for item in json.loads(predictions.read_text())["cases"]:
         case = VerifyCase.model_validate(item["case"])
@@ -62,7 +64,7 @@ def main(
     m.add_argument("--out-dir", required=True)
     m.add_argument("--only")
     m.add_argument("--timeout", type=float, default=timeout_s)
-    m.add_argument("--ranks", choices=("auto", "torchrun", "simulated"), default="simulated")
+    m.add_argument("--ranks", choices=RANKS, default="simulated")
     t = sub.add_parser("table")
     t.add_argument("predictions")
     t.add_argument("results")

@@ -227,11 +227,9 @@ def predict(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     measure_predicted(
         Path(args.predictions),
-        out / "distributed_results.json",
+        Path(args.out_dir) / "distributed_results.json",
         label="rank 0 of FSDP2 (fake process group) and DDP (one rank), one GPU",
         only=args.only,
         timeout_s=args.timeout,

@@ -124,7 +124,6 @@ def measure(args: argparse.Namespace) -> int:
     from memplan.verify.report import render_markdown
 
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = measure_predicted(
         Path(args.predictions),
         out / "fit_grid_results.json",

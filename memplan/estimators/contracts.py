@@ -12,6 +12,7 @@ autocast, whose embedding and residual adds stay fp32)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.params import LORA_TARGET_SHAPES, lora_targets_modelled
@@ -174,8 +175,8 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
     if "rope" in ctx.kernels:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
         out.add("attn.rope", kc.rope_saved_bytes(1, (nh + kv) * hd, p))
     masked = attention_masked(ctx)
-    eager = ctx.setup.attn == "eager"
-    if eager or sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):
+    path = attention_path(ctx)
+    if path == "scores":
         # matmul(q, k^T) saves each operand for the other's gradient, as does matmul(probs, v):
         # q when k needs a gradient, k (repeated to all heads) when q does, v (repeated) when
         # the scores do; the fp32 softmax output when the scores do, its low-precision cast
@@ -186,23 +187,19 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add_each("attn.qkv", *[p * nh * hd] * (k_grad + q_grad + scores_grad))
         cast_kept = v_grad and (p < FP32 or not scores_grad)
         out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p * nh * seq * cast_kept)
-        if eager and spec.attn_logit_softcapping and scores_grad:
+        if ctx.setup.attn == "eager" and spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
         if o_input_kept(ctx):
             out.add("attn.out", p * nh * hd)
         return
     if ctx.backend == "cuda":
         out.add("attn.rng", constant=2 * INT64)  # philox seed and offset of the fused kernels
-    memory_efficient = masked or (p == FP32 and ctx.backend == "cuda")
-    if memory_efficient:
+    if path == "memory_efficient":
         # With a mask HF repeats k and v itself, and the memory-efficient kernel saves its own
         # copy of the (batch x 1 x seq x seq) mask and a logsumexp padded to 32 positions. In
         # fp32 without a mask and without grouped heads (kv == heads), flash attention refuses
-        # fp32 and the same kernel runs, without a mask. With one KV head the repeat is a view
-        # and k and v are saved as they are, unless autocast casts them to a full-size copy
-        # (HF's RoPE leaves k in fp32 under autocast): CPU and H200 probes, gemma3 with kv = 1.
-        views = kv == 1 and not (ctx.dtypes.autocast and "rope" not in ctx.kernels)
-        kv_saved = p * (kv if views else nh) * hd
+        # fp32 and the same kernel runs, without a mask.
+        kv_saved = p * (kv if repeat_is_view(ctx) else nh) * hd
         out.add_each("attn.qkv", p * nh * hd, kv_saved, kv_saved)
         out.add("attn.lse", FP32 * nh * (-(-seq // 32) * 32) / seq)
         if masked:
@@ -253,28 +250,47 @@ def sdpa_math_path(spec: ModelSpec, dtypes: DtypePlan, backend: str, masked: boo
     return dtypes.proj == FP32 and backend == "cuda" and grouped and not masked
 
 
+def attention_path(ctx: LayerContext) -> Literal["scores", "memory_efficient", "fused"]:
+    """How a layer's attention runs: materializing (heads x seq) scores (eager, or SDPA's math
+    path), SDPA's memory-efficient kernel (a mask, or fp32 on CUDA), or a fused kernel that
+    takes the grouped KV heads as they are."""
+    masked = attention_masked(ctx)
+    if ctx.setup.attn == "eager" or sdpa_math_path(ctx.spec, ctx.dtypes, ctx.backend, masked):
+        return "scores"
+    if masked or (ctx.dtypes.proj == FP32 and ctx.backend == "cuda"):
+        return "memory_efficient"
+    return "fused"
+
+
+def repeat_is_view(ctx: LayerContext) -> bool:
+    """With one KV head HF's repeat_kv makes a view, and the memory-efficient kernel saves k
+    and v as they are, unless autocast casts them to a full-size copy (HF's RoPE leaves k in
+    fp32 under autocast): CPU and H200 probes, gemma3 with kv = 1."""
+    return ctx.spec.num_key_value_heads == 1 and not (
+        ctx.dtypes.autocast and "rope" not in ctx.kernels
+    )
+
+
 def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -> tuple[bool, bool]:
     """Whether the KV cache's keys and values (of `key_bytes` and `value_bytes` per element) are
     the very tensors attention saves for backward, so that the cache adds no memory: attention
     saves the cache's tensors where it saves k and v at all (attention_saved), takes them in
-    their dtype (not autocast's cast of fp32 keys) and unrepeated (the fused kernels take the
-    grouped heads; HF's repeat_kv returns them as they are with one group, kv == heads, and
-    makes a view with one KV head where the memory-efficient kernel takes it)."""
-    spec, p = ctx.spec, ctx.dtypes.proj
+    their dtype (not autocast's cast of fp32 keys) and unrepeated (HF's repeat_kv returns them
+    as they are with one group, kv == heads)."""
     if not ctx.output_needs_grad(0):
         return False, False
-    nh, kv = spec.num_attention_heads, spec.num_key_value_heads
-    masked = attention_masked(ctx)
+    one_group = ctx.spec.num_key_value_heads == ctx.spec.num_attention_heads
     key_saved = value_saved = True
-    if ctx.setup.attn == "eager" or sdpa_math_path(spec, ctx.dtypes, ctx.backend, masked):
+    path = attention_path(ctx)
+    if path == "scores":
         q_grad, k_grad, _ = qkv_need_grad(ctx)
         key_saved, value_saved = q_grad, q_grad or k_grad
-        unrepeated = kv == nh
-    elif masked or (p == FP32 and ctx.backend == "cuda"):  # the memory-efficient kernel
-        cast = ctx.dtypes.autocast and "rope" not in ctx.kernels
-        unrepeated = kv == nh or (kv == 1 and not cast)
+        unrepeated = one_group
+    elif path == "memory_efficient":
+        unrepeated = one_group or repeat_is_view(ctx)
     else:
         unrepeated = True
+    p = ctx.dtypes.proj
     return (
         key_saved and unrepeated and key_bytes == p,
         value_saved and unrepeated and value_bytes == p,
