@@ -1,6 +1,7 @@
 """CPU runs put Triton in interpreter mode before anything imports it; tests marked `gpu` run
 only where CUDA is available (the device machine: `pytest -m gpu`)."""
 
+import gc
 import os
 from collections.abc import Callable
 
@@ -45,6 +46,16 @@ def validated_versions(monkeypatch):
     ci = next(v for v in memplan.versions.VALIDATED if v.gpu is None)
     pinned = {"torch": ci.torch, "triton": ci.triton, "transformers": ci.transformers}
     monkeypatch.setattr(memplan.versions, "installed_versions", lambda: dict(pinned))
+
+
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory(request):
+    """A GPU test hands its cached blocks back to the driver when it ends: the tests that run
+    a fresh process (memplan verify's child) need the GPU that earlier tests cached."""
+    yield
+    if HAS_GPU and "gpu" in request.keywords:
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture

@@ -284,6 +284,7 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, _eps = inputs
     _y, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)  # else autograd makes zeros for mean's and rstd's gradients
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.has_bias = bias is not None
     # dW and dB come back in the weight's dtype; dB without a weight in the bias's

@@ -88,6 +88,19 @@ def test_saved_bytes_match_contract(device, dtype, saved_storage_bytes):
     assert saved == layer_norm_saved_bytes(rows, hidden, dtype.itemsize)
 
 
+def test_backward_allocates_only_the_gradients(new_storages):
+    """dx, dW and dB (and the weight-gradient partials) are all backward makes: no zeros for the
+    non-differentiable mean and rstd outputs."""
+    rows, hidden = 1500, 64
+    x = torch.randn(rows, hidden, requires_grad=True)
+    weight = torch.randn(hidden, requires_grad=True)
+    bias = torch.randn(hidden, requires_grad=True)
+    y = layer_norm(x, weight, bias, 1e-5)
+    with new_storages() as created:
+        y.backward(torch.randn_like(y))
+    assert [shape for _, shape in created.sizes if shape == (rows,)] == []
+
+
 def test_module_matches_torch_layer_norm(device):
     torch.manual_seed(3)
     ours, theirs = LayerNorm(64, eps=1e-5).to(device), torch.nn.LayerNorm(64).to(device)
