@@ -18,8 +18,6 @@ against the measurements, as markdown."""
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,12 +25,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.first_predictions import main, measure_predicted  # noqa: E402
-from memplan.advisor import advise, judge  # noqa: E402
-from memplan.catalog import resolve_gpu, resolve_model, spec_from_config  # noqa: E402
-from memplan.schema import Report, VerifyCase  # noqa: E402
+from benchmarks.first_predictions import (  # noqa: E402
+    main,
+    measure_predicted,
+    print_table,
+    write_predictions,
+)
+from memplan.advisor import advise  # noqa: E402
+from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
 from memplan.verify.predict import with_layers  # noqa: E402
-from memplan.verify.protocol import case_name  # noqa: E402
 
 # (model, decoder layers kept (None: all), kernels "auto"|"none", setup fields)
 CASES: list[tuple[str, int | None, str, dict[str, Any]]] = [
@@ -194,36 +195,7 @@ def gemma_7b_cases(gpu: Any) -> list[tuple[Any, Any]]:
 def predict(args: argparse.Namespace) -> int:
     gpu = resolve_gpu(args.gpu)
     runs = [planned(*case, gpu) for case in CASES] + gemma_7b_cases(gpu)
-    out = []
-    for spec, setup in runs:
-        judged = judge(spec, setup, gpu)
-        assert judged.reserved is not None
-        case = VerifyCase(
-            case=case_name(spec.name or spec.model_type, setup),
-            model=spec.name or spec.model_type,
-            model_type=spec.model_type,
-            hf_config=spec.hf_config,
-            setup=setup,
-        )
-        out.append(
-            {
-                "case": case.model_dump(mode="json"),
-                "gpu": gpu.name,
-                "capacity_bytes": gpu.capacity,
-                "allocated_bytes": judged.peak_bytes,
-                "step1_bytes": judged.peak_step1_bytes,
-                "peak_at": f"{judged.peak_phase}: {judged.peak_label}",
-                "runs": judged.reserved.runs,
-                "reserved_bytes": judged.reserved.reserved_bytes,
-            }
-        )
-        print(
-            f"{case.case}: {judged.peak_bytes / 2**30:.2f} GiB allocated, "
-            f"{'runs' if judged.reserved.runs else 'out of memory'}",
-            flush=True,
-        )
-    Path(args.out).write_text(json.dumps({"gpu": args.gpu, "cases": out}, indent=1) + "\n")
-    return 0
+    return write_predictions(runs, gpu, Path(args.out))
 
 
 def measure(args: argparse.Namespace) -> int:
@@ -239,59 +211,8 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pct(predicted: int, measured: int) -> float:
-    return 100 * (predicted - measured) / measured
-
-
 def table(args: argparse.Namespace) -> int:
-    """The first predictions against the measurements, then what the code predicts now for the
-    same cases (in-sample wherever a measurement led to a change)."""
-    predictions = {
-        c["case"]["case"]: c for c in json.loads(Path(args.predictions).read_text())["cases"]
-    }
-    report = Report.model_validate_json(Path(args.results).read_text())
-    print(
-        "| case | measured GiB | first prediction | error | now | error "
-        "| reserved GiB | first | now |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    first_errors, now_errors, first_reserved, now_reserved = [], [], [], []
-    for m in report.measurements:
-        if m.status != "ok" or not m.peak_bytes or not m.reserved_bytes:
-            print(f"| {m.case} | {m.status} | | | | | | | |")
-            continue
-        p = predictions[m.case.removesuffix("_torchrun")]  # real ranks: the same setup
-        case = VerifyCase.model_validate(p["case"])
-        spec = spec_from_config(dict(case.hf_config), case.model)
-        now = judge(spec, case.setup, resolve_gpu(p["gpu"]))
-        assert now.reserved is not None
-        errors = (
-            _pct(p["allocated_bytes"], m.peak_bytes),
-            _pct(now.peak_bytes, m.peak_bytes),
-            _pct(p["reserved_bytes"], m.reserved_bytes),
-            _pct(now.reserved.reserved_bytes, m.reserved_bytes),
-        )
-        for bucket, error in zip(
-            (first_errors, now_errors, first_reserved, now_reserved), errors, strict=True
-        ):
-            bucket.append(abs(error))
-        print(
-            f"| {m.case} | {m.peak_bytes / 2**30:.2f} | {p['allocated_bytes'] / 2**30:.2f} "
-            f"| {errors[0]:+.2f}% | {now.peak_bytes / 2**30:.2f} | {errors[1]:+.2f}% "
-            f"| {m.reserved_bytes / 2**30:.2f} | {errors[2]:+.2f}% | {errors[3]:+.2f}% |"
-        )
-    for name, errors in (
-        ("Allocated, first predictions", first_errors),
-        ("Allocated, the code now", now_errors),
-        ("Reserved, first predictions", first_reserved),
-        ("Reserved, the code now", now_reserved),
-    ):
-        if errors:
-            print(
-                f"\n{name}: median |error| {statistics.median(errors):.2f}%, "
-                f"max {max(errors):.2f}% over {len(errors)} cases that ran."
-            )
-    return 0
+    return print_table(Path(args.predictions), Path(args.results))
 
 
 if __name__ == "__main__":
