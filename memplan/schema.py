@@ -105,7 +105,7 @@ class ModelSpec(BaseModel):
     # (memplan.catalog.vision_tower), which the estimate counts only when asked
     # (TrainSetup.count_vision_tower).
     wrapper_model_type: str | None = None
-    vision_tower_tensors: tuple[int, ...] = ()
+    vision_tower_tensors: tuple[int, ...] = Field(default=(), repr=False)
     # The config.json it came from, so verify can build the real model.
     hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
 
