@@ -17,6 +17,7 @@ from memplan.catalog import (
     resolve_gpu,
     resolve_model_input,
     substituted_entry,
+    vision_tower_note,
 )
 from memplan.errors import MemplanError, UsageError, option_error
 from memplan.estimators import estimate, predict_reserved
@@ -351,6 +352,7 @@ def advise(
     strategy: str | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    count_vision_tower: str | None = None,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on.
 
@@ -364,10 +366,15 @@ def advise(
     registry families and the traced estimate (memplan.traced) for any other model_type;
     "analytic" or "traced" forces one. `transformers`: the release that will run the step (None:
     the installed one); where it changed what a step holds (memplan.estimators.releases), the
-    prediction follows it. Sizes past memplan.limits' bounds are errors that say the bound and
-    why."""
+    prediction follows it. `count_vision_tower`: a multimodal config's vision tower and
+    projector are left out of the estimate (None, the text model alone), counted "frozen"
+    (their weights; also what a text-only batch gives a trainable tower, which gets no
+    gradient) or "trained" (weights, gradients, optimizer states); Advice.vision_tower_params
+    says how many parameters they have. Sizes past memplan.limits' bounds are errors that say
+    the bound and why."""
     if method not in (None, "analytic", "traced"):
         raise option_error("{} must be analytic or traced, got {value!r}", "method", value=method)
+    check_vision_tower_option(count_vision_tower, method, strategy, lora_rank)
     check_setup(
         batch=batch,
         seq=seq,
@@ -433,6 +440,13 @@ def advise(
     if name and spec.name is None:
         spec = spec.model_copy(update={"name": name})
     check_spec(spec)
+    if count_vision_tower and not spec.vision_tower_tensors:
+        raise option_error(
+            "{} counts a multimodal config's vision tower (model_type gemma3 or mistral3); "
+            "{model} is a text model",
+            "count_vision_tower",
+            model=spec.name or spec.model_type,
+        )
     if isinstance(lora_targets, str):
         lora_targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
     targets = (
@@ -457,6 +471,7 @@ def advise(
         strategy=strategy,
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
+        count_vision_tower=count_vision_tower,
     )
     warnings = []
     base, asked = as_run_by(spec.model_type, base, release), base
@@ -472,6 +487,7 @@ def advise(
             f"({entry.hf_id}), the closest name: give a config.json path for another config"
         )
     warnings += notes
+    warnings += vision_tower_note(spec, count_vision_tower, DtypePlan.of(precision).param)
     if seq > spec.max_position_embeddings:
         warnings.append(
             f"seq {seq} is longer than the model's max_position_embeddings "
@@ -533,9 +549,41 @@ def advise(
         else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk, judged=result),
         max_batch=max_batch,
         max_seq=max_seq,
-        gpu_counts=[] if fit else gpu_counts(spec, setup, gpu_spec),
+        # a counted vision tower is modelled on one GPU only
+        gpu_counts=[] if fit or count_vision_tower else gpu_counts(spec, setup, gpu_spec),
+        vision_tower_params=spec.vision_tower_params,
         warnings=warnings,
     )
+
+
+def check_vision_tower_option(
+    value: str | None, method: str | None, strategy: str | None, lora_rank: int | None
+) -> None:
+    """UsageError unless count_vision_tower is None, "frozen" or "trained" and the rest of the
+    setup is one the vision tower is modelled in."""
+    if value is None:
+        return
+    if value not in ("frozen", "trained"):
+        raise option_error(
+            "{} must be frozen or trained, got {value!r}", "count_vision_tower", value=value
+        )
+    if method == "traced":
+        raise option_error(
+            "{} is counted by the analytic estimate; the traced one builds the text model alone",
+            "count_vision_tower",
+        )
+    if strategy is not None:
+        raise option_error(
+            "{} is modelled on one GPU: a strategy would shard the vision tower in a group "
+            "memplan does not model (leave out {})",
+            "count_vision_tower",
+            "strategy",
+        )
+    if value == "trained" and lora_rank:
+        raise option_error(
+            "under LoRA the vision tower is frozen with the rest of the base model: give {} frozen",
+            "count_vision_tower",
+        )
 
 
 def _checked_release(transformers: str | None) -> str | None:
@@ -638,7 +686,9 @@ def suggestions(
     sequences = setup.batch * setup.grad_accum
     adapted = attention_lora_targets(spec)
     rank = min(16, largest_lora_rank(spec, adapted) or 16)
-    lora = {"lora_rank": rank, "lora_targets": adapted}
+    lora: dict[str, Any] = {"lora_rank": rank, "lora_targets": adapted}
+    if setup.count_vision_tower:
+        lora["count_vision_tower"] = "frozen"  # LoRA freezes the tower with the base model
     on = f"LoRA r={rank} on {', '.join(adapted)}"
     changes: list[tuple[str, dict[str, Any]]] = []
     if not setup.grad_checkpointing:

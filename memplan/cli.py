@@ -129,6 +129,14 @@ def cli() -> None:
     "(and, at stage 3, weights)",
 )
 @click.option(
+    "--count-vision-tower",
+    type=click.Choice(["frozen", "trained"]),
+    help="a multimodal config (gemma3, mistral3): count its vision tower and projector, "
+    "frozen (weights; also a trainable tower under text-only batches, which gets no gradient) "
+    "or trained (weights, gradients, optimizer states); never their activations. Default: "
+    "the text model alone",
+)
+@click.option(
     "--transformers",
     help="the transformers release that will run the step, e.g. 5.24.0 (default: the "
     "installed one); the prediction follows what changed between releases",
@@ -175,6 +183,7 @@ def advise(**opts: Any) -> None:
         strategy=opts["strategy"],
         reshard_after_forward=opts["reshard_after_forward"],
         cpu_offload=opts["cpu_offload"],
+        count_vision_tower=opts["count_vision_tower"],
     )
     from memplan.versions import warn_if_unvalidated
 

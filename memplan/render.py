@@ -287,6 +287,8 @@ def _setup_line(advice: Advice) -> str:
         options.append(f"LoRA r={setup.lora_rank} on {','.join(setup.lora_targets)}")
     if setup.grad_accum > 1:
         options.append(f"{setup.grad_accum} accumulation steps")
+    if setup.count_vision_tower:
+        options.append(f"vision tower counted, {setup.count_vision_tower}")
     return (
         f"Setup: {count(est.params)} parameters ({count(est.trainable_params)} trainable); "
         f"{', '.join(options)}."

@@ -23,6 +23,9 @@ Optimizer = Literal[
 ]
 # Data parallelism as accelerate runs it: DDP, FSDP2 (fully_shard), DeepSpeed ZeRO stages.
 Strategy = Literal["ddp", "fsdp2", "zero1", "zero2", "zero3"]
+# How the estimate counts a multimodal config's vision tower and projector: frozen (weights),
+# trained (weights, gradients and optimizer states), or not at all (None).
+VisionTower = Literal["frozen", "trained"]
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 # Those that shard weights, gradients or optimizer states (and can offload them to the CPU).
 SHARDING_STRATEGIES: tuple[str, ...] = ("fsdp2", "zero1", "zero2", "zero3")
@@ -89,12 +92,20 @@ class ModelSpec(BaseModel):
     fused_gate_up: bool = False  # phi3: one gate_up_proj
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # Ministral 3: the queries times Llama 4's position-dependent factor after RoPE.
+    llama4_query_scale: bool = False
     sliding_window: int | None = Field(default=None, gt=0)
     layer_types: tuple[str, ...] | None = None
     # Mixture of experts (mixtral, qwen3_moe); 0 means dense.
     num_experts: int = Field(default=0, ge=0)
     num_experts_per_tok: int = Field(default=0, ge=0)
     moe_intermediate_size: int = Field(default=0, ge=0)
+    # A multimodal config (gemma3, mistral3) read for its text model: its model_type, and the
+    # elements of each parameter of its vision tower and projector, in registration order
+    # (memplan.catalog.vision_tower), which the estimate counts only when asked
+    # (TrainSetup.count_vision_tower).
+    wrapper_model_type: str | None = None
+    vision_tower_tensors: tuple[int, ...] = Field(default=(), repr=False)
     # The config.json it came from, so verify can build the real model.
     hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
 
@@ -110,12 +121,19 @@ class ModelSpec(BaseModel):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
                 f"({self.num_experts})"
             )
+        if any(n <= 0 for n in self.vision_tower_tensors):
+            raise ValueError("every vision tower tensor has at least one element")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
         return self
+
+    @property
+    def vision_tower_params(self) -> int:
+        """Parameters of the multimodal config's vision tower and projector (0: none)."""
+        return sum(self.vision_tower_tensors)
 
 
 class TrainSetup(BaseModel):
@@ -153,6 +171,10 @@ class TrainSetup(BaseModel):
     # FSDP2: weights, gradients and optimizer states live on the CPU (CPUOffloadPolicy); ZeRO:
     # optimizer states (and, at stage 3, the weights) on the CPU.
     cpu_offload: bool = False
+    # A multimodal config's vision tower and projector (ModelSpec.vision_tower_tensors) in the
+    # estimate: "frozen" counts their weights, "trained" their gradients and optimizer states
+    # too; None leaves them out (the text model alone). Their activations are never counted.
+    count_vision_tower: VisionTower | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSetup:
@@ -169,6 +191,10 @@ class TrainSetup(BaseModel):
             raise ValueError("reshard_after_forward is an FSDP2 setting; the strategy is not fsdp2")
         if self.cpu_offload and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError("cpu_offload needs a sharding strategy: fsdp2 or zero1/2/3")
+        if self.count_vision_tower and self.strategy is not None:
+            raise ValueError("count_vision_tower is modelled on one GPU, without a strategy")
+        if self.count_vision_tower == "trained" and self.lora_rank:
+            raise ValueError("under LoRA the vision tower is frozen: count it frozen")
         return self
 
     @property
@@ -341,6 +367,9 @@ class Advice(BaseModel):
     max_seq: int | None = None
     # When the step does not fit: for each strategy, the fewest GPUs that run it.
     gpu_counts: list[GpuCount] = Field(default_factory=list)
+    # Parameters of a multimodal config's vision tower and projector (0 for a text model):
+    # in the estimate only when setup.count_vision_tower says so, as warnings then say.
+    vision_tower_params: int = 0
     warnings: list[str] = Field(default_factory=list)
 
     def __str__(self) -> str:

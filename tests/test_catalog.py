@@ -248,11 +248,11 @@ LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"
          POSITIVE_INT, '"2"'),
         ({"model_type": "mistral", "sliding_window": 64.0}, "sliding_window", POSITIVE_INT,
          "64.0"),
-        ({"model_type": "mistral", **WINDOWED, "layer_types": ["foo", "bar"]}, "layer_types",
+        ({**QWEN2_WINDOWED, "layer_types": ["foo", "bar"]}, "layer_types",
          LAYER_TYPES, '["foo", "bar"]'),
-        ({"model_type": "mistral", **WINDOWED, "layer_types": ["sliding_attention"]},
+        ({**QWEN2_WINDOWED, "layer_types": ["sliding_attention"]},
          "layer_types", LAYER_TYPES, '["sliding_attention"]'),
-        ({"model_type": "mistral", **WINDOWED, "layer_types": "sliding_attention"},
+        ({**QWEN2_WINDOWED, "layer_types": "sliding_attention"},
          "layer_types", LIST, '"sliding_attention"'),
         ({"model_type": "qwen2", "use_sliding_window": "false", **WINDOWED},
          "use_sliding_window", BOOLEAN, '"false"'),
@@ -270,6 +270,16 @@ LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"
          POSITIVE_INT, "-1"),
         ({"model_type": "gemma3", "text_config": {"model_type": "llama"}},
          "text_config.model_type", '"gemma3_text"', '"llama"'),
+        ({"model_type": "mistral3", "text_config": {"model_type": "llama"}},
+         "text_config.model_type", '"mistral" or "ministral3"', '"llama"'),
+        ({"model_type": "mistral3", "text_config": {}, "vision_config": {"patch_size": 0}},
+         "vision_config.patch_size", POSITIVE_INT, "0"),
+        ({"model_type": "gemma3", "text_config": {}, "vision_config": {"hidden_size": "1152"}},
+         "vision_config.hidden_size", POSITIVE_INT, '"1152"'),
+        ({"model_type": "mistral3", "text_config": {}, "vision_feature_layer": []},
+         "vision_feature_layer", "an integer or a non-empty list", "[]"),
+        ({"model_type": "gemma3", "text_config": {}, "vision_config": {"num_hidden_layers": 513}},
+         "vision_config.num_hidden_layers", "at most 512 (4x a text model's largest)", "513"),
     ],
 )  # fmt: skip
 def test_bad_config_value_is_one_error_naming_the_key(overrides, key, must_be, got):
@@ -393,9 +403,57 @@ def test_multimodal_gemma3_config_resolves_to_its_text_config(tmp_path):
     }
     spec = resolve_model(str(_write_config(tmp_path / "gemma-3-4b-it", published)))
     assert spec.model_type == "gemma3_text"
-    assert _fields(spec) == _fields(ENTRIES["gemma-3-4b"].spec)
+    multimodal = {"wrapper_model_type", "vision_tower_tensors"}
+    assert _fields(spec.model_copy(update=dict.fromkeys(multimodal))) == _fields(
+        ENTRIES["gemma-3-4b"].spec.model_copy(update=dict.fromkeys(multimodal))
+    )
     assert spec.hf_config["model_type"] == "gemma3_text"
     assert "vision_config" not in spec.hf_config
+    assert spec.wrapper_model_type == "gemma3" and spec.vision_tower_params > 0
+
+
+def test_a_mistral3_text_config_without_model_type_is_mistral():
+    """Mistral3Config builds a MistralConfig from a text_config that names no model_type."""
+    config = {**RAW["mistral-small-3.1-24b"]["config"]}
+    config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "model_type"}
+    spec = spec_from_config(config)
+    assert spec.model_type == "mistral" and spec == spec_from_config(
+        RAW["mistral-small-3.1-24b"]["config"]
+    )
+
+
+def test_ministral3_without_the_query_scale_keys_is_refused():
+    """transformers' Ministral3Attention reads both keys of rope_parameters and fails without
+    them (a TypeError in forward); rope_parameters left out gets the config class's, with them."""
+    config = dict(RAW["ministral-3-8b"]["config"])
+    assert spec_from_config({**config, "rope_parameters": None}).llama4_query_scale
+    for key in ("llama_4_scaling_beta", "original_max_position_embeddings"):
+        rope = {k: v for k, v in config["rope_parameters"].items() if k != key}
+        with pytest.raises(MemplanError) as error:
+            spec_from_config({**config, "rope_parameters": rope})
+        assert key in _one_line(error) and "ministral3" in _one_line(error)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "ministral3"])
+def test_layer_types_are_ignored_where_transformers_ignores_them(model_type):
+    """Mistral's and Ministral 3's models slide every layer when a window is given, whatever
+    config.layer_types says: the same logits with and without it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    sizes = {**TINY_LLAMA, "model_type": model_type, "sliding_window": 4}
+    layer_types = ["full_attention", "sliding_attention"]
+    spec = spec_from_config({**sizes, "layer_types": layer_types})
+    assert spec.layer_types == ("sliding_attention",) * 2 and spec.sliding_window == 4
+    logits = []
+    for extra in ({}, {"layer_types": layer_types}):
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(**{**sizes, **extra})
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        logits.append(model(input_ids=torch.arange(12)[None] % 1000).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- hub ids
@@ -582,6 +640,11 @@ def test_family_defaults_match_transformers(model_type, sizes):
     )
 
 
+def text_config_of(config: dict) -> dict:
+    """The config of an entry's text model: a multimodal entry's text_config."""
+    return spec_from_config(config).hf_config if "text_config" in config else config
+
+
 @pytest.fixture(scope="module")
 def meta_models():
     """Each catalog entry built by transformers on the meta device (no memory, no init)."""
@@ -594,7 +657,7 @@ def meta_models():
 
     def build(key):
         if key not in built:
-            config = dict(RAW[key]["config"])
+            config = dict(text_config_of(RAW[key]["config"]))
             hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
             with torch.device("meta"):
                 built[key] = (hf_config, AutoModelForCausalLM.from_config(hf_config))
@@ -609,8 +672,13 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
 
     hf_config, model = meta_models(key)
     spec = ENTRIES[key].spec
-    assert hf_config.model_type == spec.model_type == RAW[key]["config"]["model_type"]
-    assert type(model).__name__ == RAW[key]["config"]["architectures"][0]
+    raw = RAW[key]["config"]
+    assert hf_config.model_type == spec.model_type == text_config_of(raw)["model_type"]
+    if spec.wrapper_model_type is None:
+        assert type(model).__name__ == raw["architectures"][0]
+    else:  # the multimodal checkpoint's text model (its vision tower: test_vision_tower.py)
+        assert spec.wrapper_model_type == raw["model_type"]
+        assert type(model).__name__ == FAMILIES[spec.model_type].patch.causal_lm.classes[0]
 
     published = ENTRIES[key].params
     if published is not None:

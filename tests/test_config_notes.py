@@ -57,8 +57,13 @@ def test_a_multimodal_config_says_the_vision_tower_is_not_counted(tmp_path) -> N
     warnings = [line for line in run.stdout.splitlines() if line.startswith("Warning:")]
     assert len(warnings) == 1
     assert "multimodal (model_type 'gemma3')" in warnings[0]
-    assert "the vision tower (27 layers, 1152 hidden)" in warnings[0]
+    params = advise(config, 1, 512).vision_tower_params
+    assert f"its vision tower and multimodal projector ({params:,} parameters" in warnings[0]
+    assert "are not counted" in warnings[0] and "--count-vision-tower" in warnings[0]
     assert advise(config, 1, 512).warnings == advise(str(path), 1, 512).warnings
+    # a tower memplan does not count itself keeps the generic note
+    audio = {**config, "audio_config": {"num_hidden_layers": 32}}
+    assert "the audio tower (32 layers)" in advise(audio, 1, 512).warnings[0]
 
 
 def test_a_config_of_only_model_type_names_the_defaults_it_gets() -> None:

@@ -20,11 +20,19 @@ from memplan.versions import installed_versions
 INSTALLED = installed_versions()["transformers"]
 PROBE = json.loads((Path(__file__).parent / "data" / "saved_cuda_probe.json").read_text())
 CASES = sorted(PROBE["saved"])
+# Families the H200 probe has not recorded, at the probe's tiny sizes: checked live on the CPU.
+LIVE_ONLY = {"ministral3": {"head_dim": 64}}
+LIVE_ONLY_CASES = ["ministral3/bf16/eager", "ministral3/fp32/sdpa", "ministral3/fp32/eager"]
+
+
+def tiny_overrides(model_type: str) -> dict:
+    """The probe's tiny sizes with the family's own overrides."""
+    family = PROBE["families"].get(model_type)
+    return {**PROBE["tiny"], **(LIVE_ONLY[model_type] if family is None else family)}
 
 
 def probe_config(model_type: str) -> dict:
-    overrides = {**PROBE["tiny"], **PROBE["families"][model_type]}
-    return AutoConfig.for_model(model_type, **overrides).to_dict()
+    return AutoConfig.for_model(model_type, **tiny_overrides(model_type)).to_dict()
 
 
 def predicted(
@@ -43,7 +51,7 @@ def predicted(
 
 def saved_bytes_live(saved_storage_bytes, model_type: str, precision: str, attn: str) -> int:
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn).train()
     return saved_bytes_of(
@@ -74,6 +82,11 @@ def test_matches_h200_probe(case: str) -> None:
 
 
 LIVE = [c for c in CASES if not c.startswith("gemma2/") or c.endswith("/eager")]
+# Ministral 3's query factor: one saved (1, 1, seq, 1) tensor per layer in q's dtype after RoPE.
+LIVE += [
+    "ministral3/bf16/sdpa",
+    *(pytest.param(c, marks=pytest.mark.slow) for c in LIVE_ONLY_CASES),
+]
 
 
 @pytest.mark.parametrize("case", LIVE)
@@ -110,6 +123,10 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         ("llama", ("q_proj", "v_proj"), "bf16", "eager"),
         ("llama", ("v_proj",), "fp32", "eager"),
         ("gemma2", ("k_proj",), "bf16", "eager"),
+        # Ministral 3's query factor is saved where q needs a gradient: not in the first layer
+        # when q_proj is not adapted.
+        ("ministral3", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        ("ministral3", ("v_proj",), "fp32", "eager"),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -118,7 +135,7 @@ def test_lora_matches_autograd_on_cpu(
     """peft LoRA (fp32 adapters on a frozen base): only what the adapters' gradients need."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=list(targets), lora_dropout=0.0)
@@ -149,6 +166,10 @@ def test_lora_matches_autograd_on_cpu(
                 ("qwen3", ("rms_norm", "rope", "swiglu", "cross_entropy"), "bf16", ()),
                 ("phi3", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
                 ("mixtral", ("rms_norm", "rope", "flce"), "bf16", ()),
+                ("ministral3", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
+                ("ministral3", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
+                # the RoPE kernel gives q a gradient with k's: the factor is saved with it
+                ("ministral3", ("rope",), "bf16", ("k_proj",)),
             ]
         ),
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
@@ -163,7 +184,7 @@ def test_patched_model_matches_autograd_on_cpu(
     import memplan
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     attn = "eager" if lora_targets else "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
@@ -197,7 +218,7 @@ def test_bf16_weights_under_autocast_match_autograd_on_cpu(model_type, saved_sto
 
     kernels = ("rms_norm", "rope", "swiglu" if model_type == "llama" else "geglu")
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     memplan.apply(model.train(), plan=None, kernels=list(kernels))
     measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=True)
@@ -288,6 +309,7 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
             for case in [
                 ("llama", "amp-bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
                 ("llama", "amp-bf16", {"kernels": ("rope",)}),
+                ("ministral3", "amp-bf16", {}),
             ]
         ),
     ],
@@ -302,7 +324,7 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     from memplan.estimators.timeline import step_sizes, walk_run
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
     setup = TrainSetup(

@@ -40,6 +40,7 @@ TINY = dict(
 FAMILIES = {
     "llama": {},
     "mistral": {"sliding_window": None},
+    "ministral3": {"head_dim": 64},
     "qwen2": {},
     "qwen3": {"head_dim": 64},
     "gemma": {"head_dim": 64},
@@ -65,7 +66,16 @@ _ATTENTION_ALL = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     **{
         family: (_ATTENTION_QV, _ALL_LINEAR)
-        for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+        for family in (
+            "llama",
+            "mistral",
+            "ministral3",
+            "qwen2",
+            "qwen3",
+            "gemma",
+            "gemma2",
+            "gemma3_text",
+        )
     },
     "phi3": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("o_proj",)),
     "mixtral": (_ATTENTION_QV, _ATTENTION_ALL),

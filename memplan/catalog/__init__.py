@@ -1,6 +1,7 @@
 """Shipped configs of popular checkpoints and GPUs, and name/path resolution into ModelSpec and
 Gpu. Imports neither torch nor transformers (only a hub-id lookup imports transformers)."""
 
+from memplan.catalog.config_notes import vision_tower_note
 from memplan.catalog.config_to_spec import SUPPORTED_MODEL_TYPES, spec_from_config
 from memplan.catalog.gpus import DEFAULT_GPU, gpu_notes, list_gpus, parse_memory, resolve_gpu
 from memplan.catalog.models import (
@@ -32,4 +33,5 @@ __all__ = [
     "resolve_model_input",
     "spec_from_config",
     "substituted_entry",
+    "vision_tower_note",
 ]

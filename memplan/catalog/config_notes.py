@@ -20,8 +20,12 @@ _TOWERS = {"vision_config": "vision tower", "audio_config": "audio tower"}
 
 
 def config_notes(config: Mapping[str, Any], spec: ModelSpec) -> list[str]:
-    """Warnings for `config` (a config.json as given) predicted as `spec`."""
-    notes = [*_quantization(config), *_towers(config)]
+    """Warnings for `config` (a config.json as given) predicted as `spec`. A vision tower whose
+    parameters memplan counts (spec.vision_tower_tensors) gets vision_tower_note instead, which
+    says whether the setup counts it."""
+    counted = ("vision_config",) if spec.vision_tower_tensors else ()
+    towers = {k: v for k, v in _TOWERS.items() if k not in counted}
+    notes = [*_quantization(config), *_towers(config, towers)]
     text = config.get("text_config")
     notes += _defaults(text if isinstance(text, Mapping) else config, spec)
     return notes
@@ -54,9 +58,34 @@ def _quant_method(quant: Mapping[str, Any]) -> tuple[str, int | None]:
     return method, bits if isinstance(bits, int) and not isinstance(bits, bool) else None
 
 
-def _towers(config: Mapping[str, Any]) -> list[str]:
+def vision_tower_note(spec: ModelSpec, counted: str | None, param_bytes: int) -> list[str]:
+    """What the estimate does with the vision tower and projector of a multimodal config
+    (`counted`: TrainSetup.count_vision_tower), with their parameter count and the bytes of
+    their weights (`param_bytes` each); nothing for a text model."""
+    params = spec.vision_tower_params
+    if not params:
+        return []
+    tower = (
+        f"its vision tower and multimodal projector ({params:,} parameters, "
+        f"{params * param_bytes / 2**30:.2f} GiB of weights, from vision_config)"
+    )
+    head = f"the config is multimodal (model_type {spec.wrapper_model_type!r}): "
+    images = "nor the image tokens they add to each sequence"
+    if counted is None:
+        return [
+            f"{head}memplan predicts the text model alone; {tower} are not counted, {images} "
+            "(--count-vision-tower frozen or trained counts them; count_vision_tower in Python)"
+        ]
+    what = "weights" if counted == "frozen" else "weights, gradients and optimizer states"
+    return [
+        f"{head}the estimate counts the {what} of {tower}, {counted}; not their activations, "
+        f"{images}"
+    ]
+
+
+def _towers(config: Mapping[str, Any], towers: Mapping[str, str]) -> list[str]:
     notes = []
-    for key, tower in _TOWERS.items():
+    for key, tower in towers.items():
         sub = config.get(key)
         if not isinstance(sub, Mapping):
             continue

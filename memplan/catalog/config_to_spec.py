@@ -14,8 +14,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from memplan.catalog.vision_tower import vision_tower_tensors
 from memplan.errors import MemplanError
-from memplan.families import FAMILIES, SUPPORTED_MODEL_TYPES, TEXT_FAMILY_OF, ConfigRules
+from memplan.families import (
+    FAMILIES,
+    SUPPORTED_MODEL_TYPES,
+    TEXT_FAMILIES_OF,
+    WRAPPERS,
+    ConfigRules,
+)
 from memplan.schema import ModelSpec
 
 _COMMON: dict[str, Any] = {
@@ -33,24 +40,18 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSpec:
     """The ModelSpec of a causal LM described by a Hugging Face config.json dict.
 
-    A multimodal Gemma 3 config (model_type "gemma3") resolves to its text_config. A value of
-    the wrong type or range is one MemplanError naming its key, never a guess."""
+    A multimodal config (model_type "gemma3" or "mistral3": memplan.families.wrappers) resolves
+    to its text_config, with the parameters of its vision tower and projector beside it. A value
+    of the wrong type or range is one MemplanError naming its key, never a guess."""
     if not isinstance(config, dict):
         raise MemplanError(f"a model config must be a JSON object, not {type(config).__name__}")
     if config.get("model_type") is None:
         raise MemplanError("the model config has no 'model_type' key")
     model_type = _string(config, "model_type")
-    text_family = TEXT_FAMILY_OF.get(model_type)
-    if text_family is not None:
-        text_config = config.get("text_config")
-        if not isinstance(text_config, dict):
-            raise MemplanError(f"this {model_type} config has no text_config object to read")
-        if text_config.get("model_type", text_family) != text_family:
-            raise _bad_value(
-                "text_config.model_type", text_config["model_type"], f'"{text_family}"'
-            )
-        config = {**text_config, "model_type": text_family}
-        model_type = text_family
+    multimodal = config if model_type in WRAPPERS else None
+    if multimodal is not None:
+        config = _text_config(multimodal, model_type)
+        model_type = config["model_type"]
     family = FAMILIES.get(model_type)
     if family is None:
         raise MemplanError(
@@ -79,6 +80,8 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         )
 
     attention_bias, attention_out_bias = _attention_biases(rules, cfg)
+    if rules.llama4_query_scale:
+        _check_llama4_scale(cfg, model_type)
     sliding_window, layer_types = _attention_windows(rules, cfg, layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
 
@@ -108,11 +111,16 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "fused_gate_up": rules.fused,
         "final_logit_softcapping": _optional_positive_float(cfg, "final_logit_softcapping"),
         "attn_logit_softcapping": _optional_positive_float(cfg, "attn_logit_softcapping"),
+        "llama4_query_scale": rules.llama4_query_scale,
         "sliding_window": sliding_window,
         "layer_types": layer_types,
         "num_experts": num_experts,
         "num_experts_per_tok": experts_per_tok,
         "moe_intermediate_size": moe_intermediate,
+        "wrapper_model_type": None if multimodal is None else multimodal["model_type"],
+        "vision_tower_tensors": ()
+        if multimodal is None
+        else vision_tower_tensors(WRAPPERS[multimodal["model_type"]], multimodal, hidden),
         "hf_config": dict(config),
     }
     try:
@@ -228,6 +236,38 @@ def _optional_list(cfg: dict[str, Any], key: str) -> list[Any]:
 # ----------------------------------------------------------------------------- family rules
 
 
+def _text_config(config: dict[str, Any], wrapper: str) -> dict[str, Any]:
+    """The text_config of a multimodal config, with the model_type its config class gives it."""
+    text_config = config.get("text_config")
+    if not isinstance(text_config, dict):
+        raise MemplanError(f"this {wrapper} config has no text_config object to read")
+    families = TEXT_FAMILIES_OF[wrapper]
+    text_type = text_config.get("model_type", WRAPPERS[wrapper].default_text)
+    if text_type not in families:
+        raise _bad_value(
+            "text_config.model_type", text_type, " or ".join(f'"{f}"' for f in families)
+        )
+    return {**text_config, "model_type": text_type}
+
+
+def _check_llama4_scale(cfg: dict[str, Any], model_type: str) -> None:
+    """transformers' attention reads rope_parameters' llama_4_scaling_beta and
+    original_max_position_embeddings for the query scale (its config class writes both when
+    rope_parameters is not given), and fails without them."""
+    rope = cfg.get("rope_parameters")
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise _bad_value("rope_parameters", rope, "an object or null")
+    for key in ("llama_4_scaling_beta", "original_max_position_embeddings"):
+        if rope.get(key) is None:
+            raise MemplanError(
+                f"{model_type} scales its queries by rope_parameters' llama_4_scaling_beta and "
+                f"original_max_position_embeddings, and this config's rope_parameters gives no "
+                f"{key}: transformers' {model_type} attention cannot run it"
+            )
+
+
 def _attention_biases(rules: ConfigRules, cfg: dict[str, Any]) -> tuple[bool, bool]:
     rule = rules.attention_bias
     if rule == "never":
@@ -251,7 +291,7 @@ def _attention_windows(
     if window is None:
         return None, None
 
-    if cfg.get("layer_types") is not None:
+    if rules.reads_layer_types and cfg.get("layer_types") is not None:
         types = tuple(_optional_list(cfg, "layer_types"))
         if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
             raise _bad_value(

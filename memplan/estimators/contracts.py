@@ -174,6 +174,10 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
             )
     if "rope" in ctx.kernels:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
         out.add("attn.rope", kc.rope_saved_bytes(1, (nh + kv) * hd, p))
+    if spec.llama4_query_scale and qkv_need_grad(ctx)[0]:
+        # q * get_llama_4_attn_scale(position_ids).to(q.dtype) keeps the (1, 1, seq, 1) factor
+        # for q's gradient, one per layer, in the dtype of q after RoPE (HF's: cos/sin's).
+        out.add("attn.llama4_scale", constant=seq * rotated_dtype(ctx))
     masked = attention_masked(ctx)
     path = attention_path(ctx)
     if path == "scores":
@@ -223,6 +227,12 @@ def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
     if "rope" in ctx.kernels:
         q = k = q or k
     return q, k, v
+
+
+def rotated_dtype(ctx: LayerContext) -> int:
+    """Bytes per element of q and k after RoPE: HF's takes cos/sin's dtype, the residual's (fp32
+    under autocast); memplan's RoPE kernel keeps q's and k's own."""
+    return ctx.dtypes.proj if "rope" in ctx.kernels else ctx.dtypes.residual
 
 
 def o_input_kept(ctx: LayerContext) -> bool:

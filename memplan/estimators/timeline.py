@@ -412,7 +412,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     return StepSizes(
         counts=counts,
         param_bytes=weights.param,
-        trainable=n_lora if lora else counts.total,
+        trainable=n_lora if lora else counts.total + sum(trained_vision_tower(spec, setup)),
         state_tensors=states,
         step_temp_tensors=step_temp,
         workspace=cublas_workspace_bytes(gpu),
@@ -486,15 +486,16 @@ def kv_cache_added(
 
 def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
     """Elements of the largest trainable tensor: a LoRA factor (rank x the larger side), else
-    the embedding, one projection matrix, or transformers 5's stacked experts (one tensor of
-    experts x 2 x moe_intermediate x hidden)."""
+    the embedding, one projection matrix, transformers 5's stacked experts (one tensor of
+    experts x 2 x moe_intermediate x hidden), or a trained vision tower's."""
     if setup.lora_rank:
         return max((setup.lora_rank * max(shape) for shape in lora_shapes(spec, setup)), default=0)
     h = spec.hidden_size
     heads = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.head_dim
     dense = spec.intermediate_size * h * (2 if spec.fused_gate_up else 1)
     experts = spec.num_experts * 2 * spec.moe_intermediate_size * h
-    return max(spec.vocab_size * h, dense, heads * h, experts)
+    tower = max(trained_vision_tower(spec, setup), default=0)
+    return max(spec.vocab_size * h, dense, heads * h, experts, tower)
 
 
 def attention_scores_backward_bytes(
@@ -538,7 +539,8 @@ class RunTensors:
 
 def trainable_tensors(spec: ModelSpec, setup: TrainSetup) -> list[int]:
     """Elements of each trainable tensor, in model.parameters() order: the adapters' A and B
-    of each adapted linear of each layer under LoRA, else every parameter."""
+    of each adapted linear of each layer under LoRA, else every parameter (a trained vision
+    tower's and projector's first, as the multimodal model registers them)."""
     if setup.lora_rank:
         per_layer = [
             n
@@ -546,7 +548,21 @@ def trainable_tensors(spec: ModelSpec, setup: TrainSetup) -> list[int]:
             for n in (setup.lora_rank * fan_in, fan_out * setup.lora_rank)
         ]
         return per_layer * spec.num_hidden_layers
-    return param_tensors(spec).in_order(spec.num_hidden_layers)
+    text = param_tensors(spec).in_order(spec.num_hidden_layers)
+    return trained_vision_tower(spec, setup) + text
+
+
+def counted_vision_tower(spec: ModelSpec, setup: TrainSetup) -> list[int]:
+    """Elements of each vision tower and projector parameter the estimate holds: all of them
+    when the setup counts the tower (TrainSetup.count_vision_tower), else none."""
+    return list(spec.vision_tower_tensors) if setup.count_vision_tower else []
+
+
+def trained_vision_tower(spec: ModelSpec, setup: TrainSetup) -> list[int]:
+    """The vision tower and projector parameters that get gradients and optimizer states (none
+    under LoRA, which freezes the base model)."""
+    trained = setup.count_vision_tower == "trained" and not setup.lora_rank
+    return list(spec.vision_tower_tensors) if trained else []
 
 
 def build(
@@ -557,7 +573,10 @@ def build(
     from its preparation on (DDP's buckets)."""
     run = RunTensors()
     builder.at("start", "model build")
-    elements = param_tensors(spec).in_order(spec.num_hidden_layers)
+    # A multimodal model builds its vision tower and projector before the text model.
+    elements = counted_vision_tower(spec, setup) + param_tensors(spec).in_order(
+        spec.num_hidden_layers
+    )
     adapters = trainable_tensors(spec, setup) if setup.lora_rank else []
     run.weights = builder.alloc_all(
         "weights", layout.weight_tensors(elements, adapters, sizes.param_bytes)
@@ -787,6 +806,12 @@ def walk_step(
         layout.backward_exit(builder, f"layer {index}", run, sync)
     builder.free_all(forward_kept)
     builder.free(grad_hidden)
+    if trained_vision_tower(spec, setup):
+        # The tower's nodes come after the embedding lookup in forward, so autograd runs them
+        # first: its gradients, in reverse registration order, before the embedding's.
+        builder.at("backward", "vision tower backward")
+        tower = reversed(trained_vision_tower(spec, setup))
+        keep_gradients("vision tower", "vision tower", *(n * grad_bytes for n in tower))
     if ckpt and lora:
         # peft makes the frozen embedding's output a leaf that requires grad: the step's graph
         # keeps it and, after backward, its gradient, until the next step's forward returns.
@@ -873,7 +898,9 @@ def estimate_step(
         peak_phase=phase,
         peak_label=label,
         breakdown=steady.breakdown(steady.peak_index),
-        params=sizes.counts.total + (sizes.trainable if setup.lora_rank else 0),
+        params=sizes.counts.total
+        + (sizes.trainable if setup.lora_rank else 0)
+        + sum(counted_vision_tower(spec, setup)),
         trainable_params=sizes.trainable,
         timeline=steady.timeline(),
     )

@@ -36,7 +36,10 @@ class ConfigRules:
     attention_bias: "config" (q/k/v/o follow attention_bias), "never", or "qkv" (q/k/v always,
         o never). windowed_layers: which layers slide when a window is given: "all",
         "all_if_enabled" (use_sliding_window), "from_max_window_layers", or "pattern" (every
-        sliding_window_pattern-th layer is full). fused: one qkv_proj and one gate_up_proj."""
+        sliding_window_pattern-th layer is full). reads_layer_types: whether the model reads
+        config.layer_types (Mistral's and Ministral 3's slide every layer whatever it says).
+        fused: one qkv_proj and one gate_up_proj. llama4_query_scale: attention multiplies the
+        queries after RoPE by Llama 4's position-dependent factor (Ministral 3)."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
@@ -44,9 +47,11 @@ class ConfigRules:
     mlp_bias: bool = False  # whether the config's mlp_bias is read (otherwise no MLP bias)
     windowed_layers: Literal["all", "all_if_enabled", "from_max_window_layers", "pattern"] = "all"
     sliding_window_pattern: int | None = None
+    reads_layer_types: bool = True
     qk_norm: bool = False
     sandwich_norm: bool = False  # norms after attention and MLP as well as before
     fused: bool = False
+    llama4_query_scale: bool = False
     moe: MoeRules | None = None
 
     def __post_init__(self) -> None:
@@ -62,7 +67,8 @@ class Family:
     config: ConfigRules
     patch: PatchSpec
     tiny_from: str  # the catalog entry whose config the tests shrink to a tiny model
-    # model_types whose config holds this family's in a text_config (multimodal wrappers)
+    # model_types whose config holds this family's in a text_config (multimodal wrappers,
+    # memplan.families.wrappers)
     wrapped_by: tuple[str, ...] = field(default=())
     # the first transformers release whose model class refuses attn_implementation="sdpa" and
     # builds the model with eager attention instead

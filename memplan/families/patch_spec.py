@@ -38,13 +38,17 @@ class AttentionSpec:
     sliding_window: where the family reads the window it passes to the interface: the module's
         `sliding_window` attribute, the config's, or nowhere.
     softcap_attr: module attribute holding the attention-logit softcap (Gemma 2), passed as
-        `softcap=`."""
+        `softcap=`.
+    query_scale: "llama4": after RoPE the queries are multiplied by the family's
+        get_llama_4_attn_scale of the position ids (Ministral 3), which the attention then
+        takes instead of them."""
 
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
     qk_norm: bool = False
     sliding_window: Literal["module", "config"] | None = None
     softcap_attr: str | None = None
+    query_scale: Literal["llama4"] | None = None
 
 
 @dataclass(frozen=True)

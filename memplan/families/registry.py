@@ -28,12 +28,16 @@ def _llama_like_patch(
     *,
     sliding_window: Literal["module", "config"] | None = None,
     qk_norm: bool = False,
+    query_scale: Literal["llama4"] | None = None,
 ) -> PatchSpec:
     return PatchSpec(
         model_type=model_type,
         norm=NormSpec(classes=_classes(prefix, "RMSNorm")),
         attention=AttentionSpec(
-            classes=_classes(prefix, "Attention"), qk_norm=qk_norm, sliding_window=sliding_window
+            classes=_classes(prefix, "Attention"),
+            qk_norm=qk_norm,
+            sliding_window=sliding_window,
+            query_scale=query_scale,
         ),
         mlp=MlpSpec(classes=_classes(prefix, "MLP")),
         causal_lm=CausalLMSpec(classes=_classes(prefix, "ForCausalLM")),
@@ -87,9 +91,34 @@ FAMILIES: dict[str, Family] = {
             config=ConfigRules(
                 defaults={**_MISTRAL_7B, "sliding_window": 4096},
                 attention_bias="never",
+                reads_layer_types=False,
             ),
             patch=_llama_like_patch("mistral", "Mistral", sliding_window="config"),
             tiny_from="mistral-7b-v0.3",
+            wrapped_by=("mistral3",),  # Mistral Small 3.1 and 3.2
+        ),
+        Family(
+            model_type="ministral3",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 131072,
+                    "hidden_size": 4096,
+                    "intermediate_size": 14336,
+                    "num_hidden_layers": 34,
+                    "num_attention_heads": 32,
+                    "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "max_position_embeddings": 262144,
+                },
+                attention_bias="never",
+                reads_layer_types=False,
+                llama4_query_scale=True,
+            ),
+            patch=_llama_like_patch(
+                "ministral3", "Ministral3", sliding_window="config", query_scale="llama4"
+            ),
+            tiny_from="ministral-3-8b",
+            wrapped_by=("mistral3",),  # the Ministral 3 checkpoints
         ),
         Family(
             model_type="mixtral",

@@ -505,7 +505,14 @@ def _plan_targets(
                 needed += ["sliding_window"] if spec.attention.sliding_window == "module" else []
                 _require(module, needed)
                 eager = forwards.family_function(module, "eager_attention_forward")
-                forward = forwards.attention_forward(spec.attention, functions["rope"], eager)
+                scale = (
+                    forwards.family_function(module, "get_llama_4_attn_scale")
+                    if spec.attention.query_scale == "llama4"
+                    else None
+                )
+                forward = forwards.attention_forward(
+                    spec.attention, functions["rope"], eager, scale
+                )
                 targets.append(_Target(name, module, ("rope",), forward))
             elif glu is not None and spec.mlp is not None and cls in spec.mlp.classes:
                 projections = (

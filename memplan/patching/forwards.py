@@ -283,10 +283,15 @@ def _rotate(
 
 
 def attention_forward(
-    spec: AttentionSpec, rope: Callable[..., tuple[torch.Tensor, torch.Tensor]], eager: Callable
+    spec: AttentionSpec,
+    rope: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    eager: Callable,
+    query_scale: Callable[..., torch.Tensor] | None = None,
 ) -> Forward:
-    """One attention forward for every family: project, (qk-norm), RoPE kernel, cache update,
-    then transformers' attention interface chosen by config._attn_implementation."""
+    """One attention forward for every family: project, (qk-norm), RoPE kernel, (the queries
+    times the family's position-dependent factor: `query_scale`, its get_llama_4_attn_scale,
+    where spec.query_scale says so), cache update, then transformers' attention interface
+    chosen by config._attn_implementation."""
 
     def forward(
         self: nn.Module,
@@ -329,6 +334,15 @@ def attention_forward(
         # q and k are fresh projection (or qk-norm) outputs that nothing saved: rotated in
         # place, except as slices of a fused qkv output, which attention would then keep whole.
         query, key = _rotate(rope, query, key, cos, sin, in_place=spec.qkv != "fused")
+        if query_scale is not None:
+            # as the family's forward: position_ids are its own argument, not the interface's
+            rope_parameters = self.config.rope_parameters
+            factor = query_scale(
+                kwargs.pop("position_ids"),
+                rope_parameters.get("llama_4_scaling_beta"),
+                rope_parameters.get("original_max_position_embeddings"),
+            )
+            query = query * factor.to(query.dtype)
 
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)

@@ -232,6 +232,8 @@ def test_specs_name_classes_transformers_defines():
             for cls in part.classes:
                 assert hasattr(modeling, cls), f"{model_type}: transformers has no {cls}"
         assert hasattr(modeling, "eager_attention_forward")
+        if spec.attention.query_scale == "llama4":
+            assert hasattr(modeling, "get_llama_4_attn_scale")
         if spec.causal_lm.moe_aux_loss:
             assert hasattr(modeling, "load_balancing_loss_func")
 

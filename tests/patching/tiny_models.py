@@ -40,7 +40,8 @@ def shrink(
 ) -> dict:
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
-    sequences (so it matters), alternating sliding/full layers for Gemma 2/3, fewer experts."""
+    sequences (so it matters), alternating sliding/full layers for Gemma 2/3, fewer experts,
+    Ministral 3's query factor past the fourth position."""
     sizes = TINY if sizes is None else sizes
     config = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
     config.update(sizes)
@@ -63,6 +64,10 @@ def shrink(
         )
     if "num_experts_per_tok" in config:
         config.update(num_experts_per_tok=2, output_router_logits=True)
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "llama_4_scaling_beta" in rope:
+        # Ministral 3: positions from 4 on get a query factor other than 1, so that it matters
+        config["rope_parameters"] = {**rope, "original_max_position_embeddings": 4}
     config.update(overrides)
     return config
 

@@ -38,6 +38,8 @@ VARIANTS = {
     "phi3": {"lora_rank": 16, "lora_targets": ("qkv_proj",)},
     "mixtral": {"grad_checkpointing": True},
     "qwen3_moe": {"optimizer": "sgd-momentum"},
+    # the first layer's q needs no gradient: it keeps no query factor
+    "ministral3": {"lora_rank": 16, "lora_targets": ("k_proj", "v_proj")},
 }
 
 

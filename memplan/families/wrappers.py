@@ -1,0 +1,49 @@
+"""The multimodal wrappers memplan reads: config classes whose text_config holds a registry
+family's config (Family.wrapped_by), as transformers' config class reads them, and the vision
+tower and projector transformers builds beside the text model (memplan.catalog.vision_tower
+counts their parameters). No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """One multimodal `config.model_type`.
+
+    default_text: text_config's model_type when it gives none (the config class's default).
+    tower: the vision model transformers builds from vision_config. tower_model_types: the
+        vision_config model_types the config class builds that tower for; empty when it builds
+        it whatever vision_config says (Gemma3Config always makes a SiglipVisionConfig).
+    default_vision: the vision_config the config class makes when the config gives none (on
+        top of the tower config class's own defaults)."""
+
+    model_type: str
+    default_text: str
+    tower: Literal["siglip", "pixtral"]
+    tower_model_types: tuple[str, ...] = ()
+    default_vision: dict[str, Any] = field(default_factory=dict)
+
+
+WRAPPERS: dict[str, Wrapper] = {
+    wrapper.model_type: wrapper
+    for wrapper in (
+        Wrapper(model_type="gemma3", default_text="gemma3_text", tower="siglip"),
+        Wrapper(
+            model_type="mistral3",
+            default_text="mistral",
+            tower="pixtral",
+            tower_model_types=("pixtral",),
+            default_vision={
+                "intermediate_size": 4096,
+                "hidden_size": 1024,
+                "patch_size": 14,
+                "image_size": 1540,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+            },
+        ),
+    )
+}
