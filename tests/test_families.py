@@ -35,3 +35,8 @@ def test_advisor_and_patcher_name_the_same_kernels(model_type: str) -> None:
 def test_a_pattern_rule_needs_its_pattern() -> None:
     with pytest.raises(ValueError, match="sliding_window_pattern"):
         ConfigRules(defaults={}, windowed_layers="pattern")
+
+
+def test_post_norm_and_sandwich_norm_exclude_each_other() -> None:
+    with pytest.raises(ValueError, match="post_norm and sandwich_norm"):
+        ConfigRules(defaults={}, post_norm=True, sandwich_norm=True)
