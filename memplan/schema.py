@@ -86,8 +86,16 @@ class ModelSpec(BaseModel):
     attention_out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # What q_norm / k_norm normalize: each head's vector, or the whole projection output (OLMo).
+    qk_norm_scope: Literal["head", "projection"] = "head"
     # Gemma 2/3 add a norm before and after both attention and MLP.
     sandwich_norm: bool = False
+    # OLMo 2/3: norms only on the attention and MLP outputs, none before them.
+    post_norm: bool = False
+    # OLMo 2/3: fp32 cos/sin; q and k rotated in fp32 and cast back to their dtype.
+    rope_in_fp32: bool = False
+    # The cos/sin pairs the model computes per forward (one per attention layer type in OLMo 3).
+    rope_tables: int = Field(default=1, gt=0)
     fused_qkv: bool = False  # phi3: one qkv_proj
     fused_gate_up: bool = False  # phi3: one gate_up_proj
     final_logit_softcapping: float | None = None

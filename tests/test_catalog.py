@@ -53,7 +53,8 @@ def test_catalog_covers_the_required_checkpoints():
         "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b", "gemma-2b", "gemma-7b",
         "gemma-2-2b", "gemma-2-9b", "gemma-2-27b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
         "gemma-3-27b", "phi-3-mini", "phi-3-medium", "smollm2-135m", "smollm2-360m",
-        "smollm2-1.7b",
+        "smollm2-1.7b", "olmo-2-0425-1b", "olmo-2-1124-7b", "olmo-2-1124-13b",
+        "olmo-3-7b-instruct", "olmo-3-32b-think",
     }  # fmt: skip
     assert required <= set(ENTRIES)
     assert len(ENTRIES) >= 30
@@ -99,6 +100,13 @@ def test_known_values_of_a_few_checkpoints():
     gemma3 = resolve_model("gemma-3-1b")
     assert gemma3.sandwich_norm and gemma3.qk_norm and gemma3.sliding_window == 512
     assert gemma3.layer_types.count("full_attention") == 26 // 6
+    olmo2 = resolve_model("olmo-2-1124-7b")
+    assert olmo2.post_norm and not olmo2.sandwich_norm and olmo2.rope_in_fp32
+    assert (olmo2.qk_norm, olmo2.qk_norm_scope, olmo2.head_dim) == (True, "projection", 128)
+    assert olmo2.layer_types is None and olmo2.rope_tables == 1 and olmo2.use_cache
+    olmo3 = resolve_model("olmo-3-32b-think")
+    assert (olmo3.num_key_value_heads, olmo3.sliding_window, olmo3.rope_tables) == (8, 4096, 2)
+    assert olmo3.layer_types.count("full_attention") == 64 // 4 and not olmo3.use_cache
 
 
 # ----------------------------------------------------------------------------- name lookup
@@ -327,6 +335,17 @@ def test_a_long_bad_value_is_cut_short():
          {"sliding_window": None}),
         ({"model_type": "qwen3_moe", "num_local_experts": 16, "mlp_only_layers": None},
          {"num_experts": 16}),
+        # OLMo 3 computes one cos/sin pair per layer type its config lists, window or not
+        ({"model_type": "olmo3"},
+         {"rope_tables": 1, "layer_types": ("sliding_attention", "sliding_attention")}),
+        ({"model_type": "olmo3", "num_hidden_layers": 4},
+         {"rope_tables": 2, "sliding_window": 4096}),
+        ({"model_type": "olmo3", "layer_types": ["full_attention", "sliding_attention"]},
+         {"rope_tables": 2, "layer_types": ("full_attention", "sliding_attention")}),
+        ({"model_type": "olmo3", "sliding_window": None, "num_hidden_layers": 4},
+         {"rope_tables": 2, "layer_types": None}),
+        ({"model_type": "olmo2", "attention_bias": True},
+         {"attention_bias": True, "attention_out_bias": True, "rope_tables": 1}),
     ],
 )  # fmt: skip
 def test_valid_edge_values_are_read_as_transformers_reads_them(overrides, expected):
@@ -705,7 +724,14 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
         assert (attn.q_proj.bias is not None) == spec.attention_bias
     assert (attn.o_proj.bias is not None) == spec.attention_out_bias
     assert hasattr(attn, "q_norm") == spec.qk_norm
-    assert hasattr(layer, "post_feedforward_layernorm") == spec.sandwich_norm
+    if spec.qk_norm:
+        over_projection = spec.qk_norm_scope == "projection"
+        assert attn.q_norm.weight.numel() == (q_width if over_projection else spec.head_dim)
+        assert attn.k_norm.weight.numel() == (kv_width if over_projection else spec.head_dim)
+    assert hasattr(layer, "post_feedforward_layernorm") == (spec.sandwich_norm or spec.post_norm)
+    assert hasattr(layer, "input_layernorm") != spec.post_norm
+    if FAMILIES[spec.model_type].config.rope_per_layer_type:
+        assert spec.rope_tables == len(model.model.rotary_emb.layer_types)
 
     mlp = layer.mlp
     assert hasattr(mlp, "gate_up_proj") == spec.fused_gate_up

@@ -1,9 +1,11 @@
 """The estimator's activation bytes equal the bytes autograd really saves in one forward of the
 Hugging Face model: live on the CPU for every family, and against the probe recorded on an H200
-(tests/data/saved_cuda_probe.json, from tools/record_saved_tensors.py)."""
+(tests/data/saved_cuda_probe.json, from tools/record_saved_tensors.py) for the families it
+recorded."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -20,19 +22,32 @@ from memplan.versions import installed_versions
 INSTALLED = installed_versions()["transformers"]
 PROBE = json.loads((Path(__file__).parent / "data" / "saved_cuda_probe.json").read_text())
 CASES = sorted(PROBE["saved"])
-# Families the H200 probe has not recorded, at the probe's tiny sizes: checked live on the CPU.
-LIVE_ONLY = {"ministral3": {"head_dim": 64}}
-LIVE_ONLY_CASES = ["ministral3/bf16/eager", "ministral3/fp32/sdpa", "ministral3/fp32/eager"]
 
 
-def tiny_overrides(model_type: str) -> dict:
-    """The probe's tiny sizes with the family's own overrides."""
+def recorder_families() -> dict[str, dict]:
+    """The config overrides tools/record_saved_tensors.py records each family with."""
+    tool = Path(__file__).resolve().parents[1] / "tools" / "record_saved_tensors.py"
+    spec = importlib.util.spec_from_file_location("record_saved_tensors", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FAMILIES
+
+
+# Families the recorder knows and the H200 probe has not recorded yet: checked on the CPU only.
+CPU_ONLY_FAMILIES = {
+    name: overrides
+    for name, overrides in recorder_families().items()
+    if name not in PROBE["families"]
+}
+
+
+def family_overrides(model_type: str) -> dict:
     family = PROBE["families"].get(model_type)
-    return {**PROBE["tiny"], **(LIVE_ONLY[model_type] if family is None else family)}
+    return {**PROBE["tiny"], **(CPU_ONLY_FAMILIES[model_type] if family is None else family)}
 
 
 def probe_config(model_type: str) -> dict:
-    return AutoConfig.for_model(model_type, **tiny_overrides(model_type)).to_dict()
+    return AutoConfig.for_model(model_type, **family_overrides(model_type)).to_dict()
 
 
 def predicted(
@@ -51,7 +66,7 @@ def predicted(
 
 def saved_bytes_live(saved_storage_bytes, model_type: str, precision: str, attn: str) -> int:
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
+    cfg = AutoConfig.for_model(model_type, **family_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn).train()
     return saved_bytes_of(
@@ -82,10 +97,14 @@ def test_matches_h200_probe(case: str) -> None:
 
 
 LIVE = [c for c in CASES if not c.startswith("gemma2/") or c.endswith("/eager")]
-# Ministral 3's query factor: one saved (1, 1, seq, 1) tensor per layer in q's dtype after RoPE.
 LIVE += [
-    "ministral3/bf16/sdpa",
-    *(pytest.param(c, marks=pytest.mark.slow) for c in LIVE_ONLY_CASES),
+    case if case.endswith("/bf16/sdpa") else pytest.param(case, marks=pytest.mark.slow)
+    for case in (
+        f"{family}/{precision}/{attn}"
+        for family in CPU_ONLY_FAMILIES
+        for precision in ("bf16", "fp32")
+        for attn in ("sdpa", "eager")
+    )
 ]
 
 
@@ -127,6 +146,12 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         # when q_proj is not adapted.
         ("ministral3", ("q_proj", "v_proj"), "bf16", "sdpa"),
         ("ministral3", ("v_proj",), "fp32", "eager"),
+        # OLMo: adapters read the residual stream; q/k norms over the whole projection
+        ("olmo2", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        ("olmo2", ALL_LINEAR, "fp32", "sdpa"),
+        # the first layer (sliding) saves no rotation: its cos/sin pair is not kept
+        ("olmo3", ("gate_proj", "up_proj", "down_proj"), "bf16", "sdpa"),
+        ("olmo3", ("k_proj",), "fp32", "eager"),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -135,7 +160,7 @@ def test_lora_matches_autograd_on_cpu(
     """peft LoRA (fp32 adapters on a frozen base): only what the adapters' gradients need."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
+    cfg = AutoConfig.for_model(model_type, **family_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=list(targets), lora_dropout=0.0)
@@ -170,6 +195,10 @@ def test_lora_matches_autograd_on_cpu(
                 ("ministral3", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
                 # the RoPE kernel gives q a gradient with k's: the factor is saved with it
                 ("ministral3", ("rope",), "bf16", ("k_proj",)),
+                ("olmo2", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
+                ("olmo2", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
+                ("olmo3", ("rms_norm", "rope", "swiglu", "cross_entropy"), "bf16", ()),
+                ("olmo3", ("rms_norm", "rope"), "bf16", ("gate_proj", "up_proj")),
             ]
         ),
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
@@ -184,7 +213,7 @@ def test_patched_model_matches_autograd_on_cpu(
     import memplan
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
+    cfg = AutoConfig.for_model(model_type, **family_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     attn = "eager" if lora_targets else "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
@@ -218,7 +247,7 @@ def test_bf16_weights_under_autocast_match_autograd_on_cpu(model_type, saved_sto
 
     kernels = ("rms_norm", "rope", "swiglu" if model_type == "llama" else "geglu")
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
+    cfg = AutoConfig.for_model(model_type, **family_overrides(model_type))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     memplan.apply(model.train(), plan=None, kernels=list(kernels))
     measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=True)
@@ -303,6 +332,9 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
         ("llama", "bf16", {"grad_checkpointing": True}),
         # the first layer's attention needs no gradient: it saves nothing, the cache is its own
         ("llama", "bf16", {"lora_rank": 16, "lora_targets": ("gate_proj", "up_proj")}),
+        # OLMo's RoPE casts k back to bf16 under autocast: the cache is attention's own k
+        ("olmo2", "amp-bf16", {}),
+        ("olmo3", "bf16", {}),
         # the patched models (minutes each under the interpreter)
         *(
             pytest.param(*case, marks=pytest.mark.slow)
@@ -315,16 +347,16 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
     ],
 )
 def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> None:
-    """transformers builds a KV cache in training (k after RoPE in the residual dtype, v in k's
-    before transformers 5.24, in its own after), held by the output until forward returns; not
-    with checkpointing, nor under memplan's causal-LM forward. The estimator's cache bytes equal
-    those of the cache's tensors that autograd does not also save (attention saves the cache's
-    own k and v where it takes them as they are)."""
+    """transformers builds a KV cache in training (k after RoPE in the residual dtype, OLMo's in
+    its own; v in k's before transformers 5.24, in its own after), held by the output until
+    forward returns; not with checkpointing, nor under memplan's causal-LM forward. The
+    estimator's cache bytes equal those of the cache's tensors that autograd does not also save
+    (attention saves the cache's own k and v where it takes them as they are)."""
     import memplan
     from memplan.estimators.timeline import step_sizes, walk_run
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
+    cfg = AutoConfig.for_model(model_type, **family_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
     setup = TrainSetup(
@@ -358,7 +390,9 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
         cache = model(input_ids=ids, labels=ids).past_key_values
     layers = [] if cache is None else cache.layers
     tensors = [t for layer in layers for t in (layer.keys, layer.values)]
-    measured = sum(t.nbytes for t in tensors if t.untyped_storage().data_ptr() not in saved)
+    # a sliding layer's cache keeps a view of its last window - 1 positions: their storage
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    measured = sum(n for ptr, n in storages.items() if ptr not in saved)
     spec = spec_from_config(probe_config(model_type))
     (_, walk), _ = walk_run(spec, setup, step_sizes(spec, setup, None, "cpu"))
     assert measured == max(snapshot.get("kv_cache", 0) for snapshot in walk.snapshots)
@@ -422,11 +456,11 @@ def test_one_kv_head_matches_h200_probe(case: str) -> None:
     )
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "llama"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "llama", "olmo3"])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_one_kv_head_matches_autograd_on_cpu(model_type, precision, attn, saved_storage_bytes):
-    overrides = {**PROBE["tiny"], **PROBE["families"][model_type], "num_key_value_heads": 1}
+    overrides = {**family_overrides(model_type), "num_key_value_heads": 1}
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **overrides)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

@@ -50,3 +50,8 @@ def test_wrappers_read_their_text_config_as_transformers_does(wrapper: str) -> N
     for family in families:
         config = AutoConfig.for_model(wrapper, text_config={"model_type": family})
         assert config.get_text_config().model_type == family
+
+
+def test_post_norm_and_sandwich_norm_exclude_each_other() -> None:
+    with pytest.raises(ValueError, match="post_norm and sandwich_norm"):
+        ConfigRules(defaults={}, post_norm=True, sandwich_norm=True)

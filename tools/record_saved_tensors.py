@@ -54,6 +54,9 @@ FAMILIES = {
         "moe_intermediate_size": 128,
         "head_dim": 64,
     },
+    "olmo2": {},
+    # one sliding and one full layer: a cos/sin pair each, the window reached at seq 64
+    "olmo3": {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
 }
 
 
@@ -75,6 +78,8 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
             "gemma",
             "gemma2",
             "gemma3_text",
+            "olmo2",
+            "olmo3",
         )
     },
     "phi3": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("o_proj",)),

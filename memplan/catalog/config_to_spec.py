@@ -106,7 +106,11 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "attention_out_bias": attention_out_bias,
         "mlp_bias": _boolean(cfg, "mlp_bias") if rules.mlp_bias else False,
         "qk_norm": rules.qk_norm,
+        "qk_norm_scope": rules.qk_norm_scope,
         "sandwich_norm": rules.sandwich_norm,
+        "post_norm": rules.post_norm,
+        "rope_in_fp32": rules.rope_in_fp32,
+        "rope_tables": _rope_tables(rules, cfg, layers),
         "fused_qkv": rules.fused,
         "fused_gate_up": rules.fused,
         "final_logit_softcapping": _optional_positive_float(cfg, "final_logit_softcapping"),
@@ -292,21 +296,9 @@ def _attention_windows(
         return None, None
 
     if rules.reads_layer_types and cfg.get("layer_types") is not None:
-        types = tuple(_optional_list(cfg, "layer_types"))
-        if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
-            raise _bad_value(
-                "layer_types",
-                cfg["layer_types"],
-                f'a list of {layers} entries, each "full_attention" or "sliding_attention"',
-            )
+        types = _layer_types(cfg, layers)
     elif rule == "pattern":
-        pattern = (
-            _optional_positive_int(cfg, "sliding_window_pattern") or rules.sliding_window_pattern
-        )
-        assert pattern is not None  # ConfigRules requires one with this rule
-        types = tuple(
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-        )
+        types = _pattern_layer_types(rules, cfg, layers)
     elif rule == "from_max_window_layers":
         first = _non_negative_int(cfg, "max_window_layers")
         types = tuple(
@@ -317,6 +309,38 @@ def _attention_windows(
     if "sliding_attention" not in types:
         return None, None
     return window, types
+
+
+def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
+    types = tuple(_optional_list(cfg, "layer_types"))
+    if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
+        raise _bad_value(
+            "layer_types",
+            cfg["layer_types"],
+            f'a list of {layers} entries, each "full_attention" or "sliding_attention"',
+        )
+    return types
+
+
+def _pattern_layer_types(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Every sliding_window_pattern-th layer full, the others sliding."""
+    pattern = _optional_positive_int(cfg, "sliding_window_pattern") or rules.sliding_window_pattern
+    assert pattern is not None  # ConfigRules requires one with this rule
+    return tuple(
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    )
+
+
+def _rope_tables(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> int:
+    """The cos/sin pairs one forward computes: one per layer type the config lists, where the
+    family keeps rotary embeddings per type (whether or not a window is set)."""
+    if not rules.rope_per_layer_type:
+        return 1
+    if cfg.get("layer_types") is not None:
+        return len(set(_layer_types(cfg, layers)))
+    if rules.windowed_layers == "pattern":
+        return len(set(_pattern_layer_types(rules, cfg, layers)))
+    return 1
 
 
 def _experts(

@@ -85,6 +85,8 @@ class Saved:
 
 # Entries of layer_saved that the layer saves after attention (its MLP and the norms around it).
 AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "norm.post_mlp")
+# The entry of layer_saved for what q, k and v keep of the layer's input in a post-norm layer.
+LAYER_INPUT = "attn.in"
 
 
 @dataclass(frozen=True)
@@ -127,27 +129,37 @@ def norm_saved(
     input_requires_grad: bool = True,
 ) -> None:
     """An RMSNorm. HF Llama style: x.float(), rsqrt, weight * h.to(dtype); Gemma style: all in
-    fp32 with (1 + w). `consumers` linears read its output (each saves a low-precision copy under
-    autocast, one shared copy otherwise)."""
+    fp32, times (1 + w.float()) (Gemma) or w (OLMo). `consumers` linears read its output
+    (linear_inputs_saved)."""
     if not input_requires_grad and not weight_trainable:
         return
     w = width * rows_per_token
     if "rms_norm" in ctx.kernels:
         out.add_each(name, *kc.rms_norm_saved_tensors(rows_per_token, width, p_in))
     elif gemma:
-        # x.float(), rsqrt, and x * rstd kept for (1 + w)'s gradient when w trains.
+        # x.float(), rsqrt, and x * rstd kept for the weight's gradient when it trains; Gemma's
+        # product also keeps its fp32 (1 + w), OLMo's the weight itself.
         normalized = FP32 * w if weight_trainable else 0
         out.add_each(name, FP32 * w, FP32 * rows_per_token, normalized)
-        out.add(name, constant=FP32 * int(width))
+        if FAMILIES[ctx.spec.model_type].norm_weight_copied:
+            out.add(name, constant=FP32 * int(width))
     else:
         h_saved = p_in * w if weight_trainable else 0
         out.add_each(name, FP32 * w, FP32 * rows_per_token, h_saved)
-    if consumers:
-        copies = consumers if ctx.dtypes.autocast else 1
-        if ctx.dtypes.autocast:
-            out.add_each(name + ".out", *[ctx.dtypes.proj * w] * copies)
-        else:
-            out.add(name + ".out", p_in * w)
+    linear_inputs_saved(ctx, out, name + ".out", w, p_in, consumers)
+
+
+def linear_inputs_saved(
+    ctx: LayerContext, out: Saved, name: str, width: float, p_in: int, consumers: int
+) -> None:
+    """What `consumers` trainable linears that read one tensor (width per token, p_in bytes an
+    element) save of it: a low-precision copy each under autocast, the tensor itself otherwise."""
+    if not consumers:
+        return
+    if ctx.dtypes.autocast:
+        out.add_each(name, *[ctx.dtypes.proj * width] * consumers)
+    else:
+        out.add(name, p_in * width)
 
 
 def attention_saved(ctx: LayerContext, out: Saved) -> None:
@@ -159,17 +171,18 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
     seq = ctx.seq
     if spec.qk_norm:
         gemma = gemma_norms(spec)
+        over_projection = spec.qk_norm_scope == "projection"
         for proj_name, heads, proj in (("q_norm", nh, "q_proj"), ("k_norm", kv, "k_proj")):
             norm_saved(
                 ctx,
                 out,
                 "attn." + proj_name,
-                hd,
+                heads * hd if over_projection else hd,
                 p,
                 0,
                 ctx.trainable_base,
                 gemma,
-                rows_per_token=heads,
+                rows_per_token=1 if over_projection else heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
     if "rope" in ctx.kernels:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
@@ -230,9 +243,15 @@ def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
 
 
 def rotated_dtype(ctx: LayerContext) -> int:
-    """Bytes per element of q and k after RoPE: HF's takes cos/sin's dtype, the residual's (fp32
-    under autocast); memplan's RoPE kernel keeps q's and k's own."""
-    return ctx.dtypes.proj if "rope" in ctx.kernels else ctx.dtypes.residual
+    """Bytes per element of q and k after RoPE (rotated_in_cos_dtype: the residual's, or their
+    own)."""
+    return ctx.dtypes.residual if rotated_in_cos_dtype(ctx.spec, ctx.setup) else ctx.dtypes.proj
+
+
+def rotation_saved(ctx: LayerContext) -> bool:
+    """Whether the layer's RoPE saves cos/sin: where q or k after it needs a gradient."""
+    q_grad, k_grad, _ = qkv_need_grad(ctx)
+    return ctx.output_needs_grad(0) and (q_grad or k_grad)
 
 
 def o_input_kept(ctx: LayerContext) -> bool:
@@ -277,8 +296,15 @@ def repeat_is_view(ctx: LayerContext) -> bool:
     and v as they are, unless autocast casts them to a full-size copy (HF's RoPE leaves k in
     fp32 under autocast): CPU and H200 probes, gemma3 with kv = 1."""
     return ctx.spec.num_key_value_heads == 1 and not (
-        ctx.dtypes.autocast and "rope" not in ctx.kernels
+        ctx.dtypes.autocast and rotated_in_cos_dtype(ctx.spec, ctx.setup)
     )
+
+
+def rotated_in_cos_dtype(spec: ModelSpec, setup: TrainSetup) -> bool:
+    """Whether q and k leave RoPE in cos/sin's dtype (the residual stream's, fp32 under
+    autocast): HF's RoPE does, except where the family casts them back to their own dtype
+    (OLMo); memplan's kernel keeps q's and k's."""
+    return "rope" not in setup.kernels and not spec.rope_in_fp32
 
 
 def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -> tuple[bool, bool]:
@@ -383,20 +409,24 @@ def layer_saved(ctx: LayerContext) -> Saved:
         # Frozen base linears save no input; peft's adapters save their own fp32 cast of it.
         qkv_consumers = mlp_consumers = 0
     p_res = d.residual
-    norm_saved(
-        ctx,
-        out,
-        "norm.attn",
-        spec.hidden_size,
-        p_res,
-        qkv_consumers,
-        ctx.trainable_base,
-        gemma_norm,
-        input_requires_grad=ctx.needs_input_grad,
-    )
+    post_norms = spec.sandwich_norm or spec.post_norm
+    if spec.post_norm:  # q, k and v read the residual stream itself
+        linear_inputs_saved(ctx, out, LAYER_INPUT, spec.hidden_size, p_res, qkv_consumers)
+    else:
+        norm_saved(
+            ctx,
+            out,
+            "norm.attn",
+            spec.hidden_size,
+            p_res,
+            qkv_consumers,
+            ctx.trainable_base,
+            gemma_norm,
+            input_requires_grad=ctx.needs_input_grad,
+        )
     attention_saved(ctx, out)
     after_attention = ctx.output_needs_grad(1)
-    if spec.sandwich_norm:
+    if post_norms:
         norm_saved(
             ctx,
             out,
@@ -408,19 +438,22 @@ def layer_saved(ctx: LayerContext) -> Saved:
             gemma_norm,
             input_requires_grad=after_attention,
         )
-    norm_saved(
-        ctx,
-        out,
-        "norm.mlp",
-        spec.hidden_size,
-        p_res,
-        mlp_consumers,
-        ctx.trainable_base,
-        gemma_norm,
-        input_requires_grad=after_attention,
-    )
+    if spec.post_norm:  # the MLP reads the residual stream itself
+        linear_inputs_saved(ctx, out, "mlp.in", spec.hidden_size, p_res, mlp_consumers)
+    else:
+        norm_saved(
+            ctx,
+            out,
+            "norm.mlp",
+            spec.hidden_size,
+            p_res,
+            mlp_consumers,
+            ctx.trainable_base,
+            gemma_norm,
+            input_requires_grad=after_attention,
+        )
     mlp_saved(ctx, out)
-    if spec.sandwich_norm:
+    if post_norms:
         norm_saved(
             ctx,
             out,
@@ -466,7 +499,7 @@ def layer_saved(ctx: LayerContext) -> Saved:
 
 
 def gemma_norms(spec: ModelSpec) -> bool:
-    """Gemma's RMSNorms compute in fp32 with (1 + w) and keep x * rstd for w's gradient."""
+    """RMSNorms that multiply by the weight in fp32 and keep x * rstd for its gradient."""
     return FAMILIES[spec.model_type].gemma_norms
 
 

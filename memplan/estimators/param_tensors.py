@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memplan.estimators.params import qk_norm_widths
 from memplan.schema import ModelSpec
 
 Shape = tuple[int, int]  # (dim 0, the product of the other dims)
@@ -65,8 +66,7 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
     attention.append((h, q_out))
     if spec.attention_out_bias:
         attention.append((h, 1))
-    if spec.qk_norm:
-        attention += [(hd, 1), (hd, 1)]
+    attention += [(width, 1) for width in qk_norm_widths(spec)]
     inter = spec.intermediate_size
     if spec.num_experts:
         # transformers 5 keeps the experts as 3-D parameters: (experts, 2 x moe, h), (experts,

@@ -54,8 +54,8 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         tensors += 3 + (3 if spec.mlp_bias else 0)
     norm_width = 2 * h if spec.norm == "layer" else h
     n_norms = 4 if spec.sandwich_norm else 2
-    other = n_norms * norm_width + (2 * hd if spec.qk_norm else 0)
-    tensors += n_norms * (2 if spec.norm == "layer" else 1) + (2 if spec.qk_norm else 0)
+    other = n_norms * norm_width + sum(qk_norm_widths(spec))
+    tensors += n_norms * (2 if spec.norm == "layer" else 1) + len(qk_norm_widths(spec))
     embedding = spec.vocab_size * h
     return ParamCounts(
         embedding=embedding,
@@ -66,6 +66,16 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         per_layer_tensors=tensors,
         layers=spec.num_hidden_layers,
     )
+
+
+def qk_norm_widths(spec: ModelSpec) -> tuple[int, ...]:
+    """The weights of q_norm and k_norm: one head's width each, or the whole q / k projection's
+    (qk_norm_scope "projection"); none without qk norms."""
+    if not spec.qk_norm:
+        return ()
+    if spec.qk_norm_scope == "projection":
+        return (spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim)
+    return (spec.head_dim, spec.head_dim)
 
 
 LORA_TARGET_SHAPES = {

@@ -15,6 +15,7 @@ from memplan.estimators.contracts import (
     AFTER_ATTENTION,
     FP32,
     INT64,
+    LAYER_INPUT,
     LORA_TARGET_STAGE,
     DtypePlan,
     LayerContext,
@@ -25,6 +26,8 @@ from memplan.estimators.contracts import (
     kv_cache_shares_saved,
     layer_saved,
     norm_saved,
+    rotated_in_cos_dtype,
+    rotation_saved,
     runs_under_autocast,
     sdpa_math_path,
 )
@@ -39,6 +42,7 @@ from memplan.estimators.params import (
     lora_targets_modelled,
 )
 from memplan.estimators.releases import Release
+from memplan.families import FAMILIES
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     Gpu,
@@ -116,10 +120,15 @@ class ForwardSaved:
     # Per layer, the allocations saved before and after attention (the norms and MLP after
     # attention: backward frees those before it reaches attention).
     layer_entries: list[tuple[list[int], list[int]]]
+    # The same, as a checkpointed layer's recomputation allocates them: without what is the
+    # layer's input itself, which the checkpoint holds already.
+    recomputed_entries: list[tuple[list[int], list[int]]]
     final_norm: int
     embedding: int
     shared: int  # rotary cos/sin, shared by every layer
     loss: int
+    # Attention masks the checkpointed layers keep as inputs for their recomputation.
+    checkpoint_masks: list[int] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -161,6 +170,9 @@ def forward_saved(
     lora = bool(setup.lora_rank)
     contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
     by_kind: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}  # layers differ in these
+    recomputed: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}
+    # Without autocast the linears that read the residual stream keep the layer input itself.
+    layer_input = (LAYER_INPUT,) if not dtypes.autocast else ()
     for ctx in contexts:
         kind = (ctx.sliding, ctx.needs_input_grad)
         if kind not in by_kind:
@@ -168,6 +180,8 @@ def forward_saved(
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
             after = saved_allocations(saved, tokens, AFTER_ATTENTION)
             by_kind[kind] = ([blocks(n) for n in before], [blocks(n) for n in after])
+            before = saved_allocations(saved, tokens, AFTER_ATTENTION + layer_input, matching=False)
+            recomputed[kind] = ([blocks(n) for n in before], by_kind[kind][1])
     final = Saved()
     norm_saved(
         contexts[-1],
@@ -180,18 +194,45 @@ def forward_saved(
         not lora,
         gemma_norms(spec),
     )
-    rope_dtype = FP32 if dtypes.autocast else dtypes.residual
-    shared = 2 * blocks(setup.seq * spec.head_dim * rope_dtype)
+    rope_dtype = FP32 if dtypes.autocast or spec.rope_in_fp32 else dtypes.residual
+    shared = rope_tables_kept(spec, contexts) * 2 * blocks(setup.seq * spec.head_dim * rope_dtype)
     embedding = 0 if lora else blocks(tokens * INT64)
-    if gemma_norms(spec) and not lora:
+    if FAMILIES[spec.model_type].scaled_embedding and not lora:
         embedding += blocks(dtypes.residual)  # the sqrt(hidden) normalizer, a 0-d tensor
     return ForwardSaved(
         layer_entries=[by_kind[(ctx.sliding, ctx.needs_input_grad)] for ctx in contexts],
+        recomputed_entries=[recomputed[(ctx.sliding, ctx.needs_input_grad)] for ctx in contexts],
         final_norm=blocks(final.bytes(tokens)),
         embedding=embedding,
         shared=shared,
         loss=blocks(loss_saved_bytes(spec, setup, dtypes)),
+        checkpoint_masks=[blocks(n) for n in checkpointed_masks(setup, dtypes, contexts)],
     )
+
+
+def rope_tables_kept(spec: ModelSpec, contexts: list[LayerContext]) -> int:
+    """The cos/sin pairs saved for backward. With one pair per layer type (OLMo 3), a type's pair
+    is saved where a layer of that type saves its rotation (not the first layer under LoRA when
+    neither q nor k needs a gradient there), else freed when the forward returns."""
+    if spec.rope_tables == 1 or spec.layer_types is None:
+        return spec.rope_tables
+    return len({ctx.sliding for ctx in contexts if rotation_saved(ctx)})
+
+
+def checkpointed_masks(
+    setup: TrainSetup, dtypes: DtypePlan, contexts: list[LayerContext]
+) -> list[int]:
+    """The attention masks checkpointed layers keep (as inputs of their recomputation) from the
+    forward to their backward: SDPA's (seq x seq) bool mask, expanded over the batch, for the
+    sliding layers once the sequence reaches the window (causal layers pass none); eager
+    attention's additive (batch x seq x seq) mask in the residual dtype, one per layer type."""
+    if not setup.grad_checkpointing:
+        return []
+    seq = setup.seq
+    if setup.attn == "eager":
+        kinds = {ctx.sliding for ctx in contexts}
+        return [setup.batch * seq * seq * dtypes.residual for _ in kinds]
+    return [seq * seq] if any(attention_masked(ctx) for ctx in contexts) else []
 
 
 def loss_saved_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> int:
@@ -453,12 +494,12 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     )
 
 
-def kv_cache_dtypes(setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
+def kv_cache_dtypes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
     """Bytes per element of the KV cache's keys and values. k after HF's RoPE takes the dtype of
-    cos/sin, the residual's (fp32 under autocast; memplan's RoPE keeps k's); the values take the
-    keys' dtype before transformers 5.24 (the cache was made from the keys' dtype), their own
-    (the projection's) after."""
-    key = dtypes.proj if "rope" in setup.kernels else dtypes.residual
+    cos/sin, the residual's (fp32 under autocast; memplan's RoPE and OLMo's keep k's:
+    contracts.rotated_in_cos_dtype); the values take the keys' dtype before transformers 5.24
+    (the cache was made from the keys' dtype), their own (the projection's) after."""
+    key = dtypes.residual if rotated_in_cos_dtype(spec, setup) else dtypes.proj
     value = key if Release.of(setup.transformers).kv_values_in_key_dtype else dtypes.proj
     return key, value
 
@@ -466,7 +507,7 @@ def kv_cache_dtypes(setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
 def kv_cache_tensors(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
     """The bytes of one layer's KV cache entries, keys then values (kv_cache_dtypes)."""
     elements = setup.batch * setup.seq * spec.num_key_value_heads * spec.head_dim
-    key, value = kv_cache_dtypes(setup, dtypes)
+    key, value = kv_cache_dtypes(spec, setup, dtypes)
     return round_block(elements * key), round_block(elements * value)
 
 
@@ -476,7 +517,7 @@ def kv_cache_added(
     """Per layer, the cache tensors that are not also attention's saved inputs: what the cache
     adds to the forward's memory (contracts.kv_cache_shares_saved)."""
     key, value = kv_cache_tensors(spec, setup, dtypes)
-    key_dtype, value_dtype = kv_cache_dtypes(setup, dtypes)
+    key_dtype, value_dtype = kv_cache_dtypes(spec, setup, dtypes)
     added = []
     for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
         shared = kv_cache_shares_saved(ctx, key_dtype, value_dtype)
@@ -666,14 +707,16 @@ def walk_step(
     # by the model output until forward returns; memory of its own where attention saves others.
     cached = hf_loss and not ckpt and spec.use_cache
     layout.forward_enter(builder, "tail" if tied else "embedding")
-    forward_kept = builder.alloc_all("activations", (saved.shared, saved.embedding))
+    forward_kept = builder.alloc_all(
+        "activations", (saved.shared, saved.embedding, *saved.checkpoint_masks)
+    )
     if not tied:
         layout.forward_exit(builder, "embedding")
     kv_cache: list[int] = []
     layer_kept: list[tuple[list[int], list[int]]] = []  # saved before and after attention
     for index, (before, after) in enumerate(saved.layer_entries):
-        entries = before + after
-        recomputed_later = entries if ckpt else []
+        recomputed = saved.recomputed_entries[index]
+        recomputed_later = [n for part in recomputed for n in part] if ckpt else []
         kv_cache += builder.alloc_all("kv_cache", sizes.kv_cache[index] if cached else ())
         layout.forward_enter(builder, f"layer {index}")
         builder.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
@@ -778,15 +821,15 @@ def walk_step(
     gradients = layer_gradients(spec, setup, sizes)
     for index in reversed(range(len(saved.layer_entries))):
         label = f"layer {index} backward"
-        before, after = saved.layer_entries[index]
         checkpoint_input: list[int] = []
         builder.at("backward", label)
         layout.backward_enter(builder, f"layer {index}")
         if ckpt:  # the recomputed forward's saved tensors, alive through the layer's backward
             checkpoint_input = layer_kept[index][0]
+            recomputed_before, recomputed_after = saved.recomputed_entries[index]
             layer_kept[index] = (
-                builder.alloc_all("transient", before),
-                builder.alloc_all("transient", after),
+                builder.alloc_all("transient", recomputed_before),
+                builder.alloc_all("transient", recomputed_after),
             )
         # The MLP's backward runs first, writing its weights' gradients among its temporaries;
         # by attention's, what the layer saved after attention is freed.

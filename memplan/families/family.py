@@ -39,7 +39,14 @@ class ConfigRules:
         sliding_window_pattern-th layer is full). reads_layer_types: whether the model reads
         config.layer_types (Mistral's and Ministral 3's slide every layer whatever it says).
         fused: one qkv_proj and one gate_up_proj. llama4_query_scale: attention multiplies the
-        queries after RoPE by Llama 4's position-dependent factor (Ministral 3)."""
+        queries after RoPE by Llama 4's position-dependent factor (Ministral 3).
+    qk_norm_scope: what q_norm and k_norm normalize: each head's vector (Qwen3, Gemma 3) or the
+        whole q / k projection output before it is split into heads (OLMo 2/3).
+    post_norm: no norm before attention and MLP; one on each branch's output before its residual
+        add (OLMo 2/3), so the projections read the residual stream itself.
+    rope_in_fp32: the rotary embedding returns fp32 cos/sin whatever the hidden states' dtype,
+        and apply_rotary_pos_emb rotates in fp32 and casts q and k back to their own dtype.
+    rope_per_layer_type: the model computes one cos/sin pair per attention layer type."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
@@ -49,7 +56,11 @@ class ConfigRules:
     sliding_window_pattern: int | None = None
     reads_layer_types: bool = True
     qk_norm: bool = False
+    qk_norm_scope: Literal["head", "projection"] = "head"
     sandwich_norm: bool = False  # norms after attention and MLP as well as before
+    post_norm: bool = False
+    rope_in_fp32: bool = False
+    rope_per_layer_type: bool = False
     fused: bool = False
     llama4_query_scale: bool = False
     moe: MoeRules | None = None
@@ -57,6 +68,8 @@ class ConfigRules:
     def __post_init__(self) -> None:
         if self.windowed_layers == "pattern" and self.sliding_window_pattern is None:
             raise ValueError("windowed_layers='pattern' needs a sliding_window_pattern")
+        if self.post_norm and self.sandwich_norm:
+            raise ValueError("post_norm and sandwich_norm place the norms differently; give one")
 
 
 @dataclass(frozen=True)
@@ -76,8 +89,20 @@ class Family:
 
     @property
     def gemma_norms(self) -> bool:
-        """RMSNorms that compute in fp32 with (1 + w) and keep x * rstd for w's gradient."""
+        """RMSNorms that multiply by the weight in fp32 and keep x * rstd (fp32) for the
+        weight's gradient (Gemma's (1 + w), OLMo 2/3's w)."""
         return self.patch.norm.casting == "gemma"
+
+    @property
+    def norm_weight_copied(self) -> bool:
+        """Gemma's RMSNorm multiplies by 1 + w.float(), a new fp32 tensor its product saves;
+        OLMo's multiplies by the weight itself."""
+        return self.gemma_norms and self.patch.norm.offset != 0.0
+
+    @property
+    def scaled_embedding(self) -> bool:
+        """The token embedding multiplies its lookup by a scale (Gemma's sqrt(hidden))."""
+        return self.patch.embedding.scaled_class is not None
 
     def kernels(self, activation: str, dense_mlp: bool = True) -> tuple[str, ...]:
         """The memplan kernels that replace an op of this family, in KERNEL_NAMES order; the GLU

@@ -34,7 +34,9 @@ class AttentionSpec:
     applies memplan's RoPE kernel and then calls transformers' attention interface.
 
     qkv: "separate" (q_proj, k_proj, v_proj) or "fused" (one qkv_proj, phi3).
-    qk_norm: per-head RMSNorm on q and k (q_norm, k_norm; Qwen3, Gemma 3).
+    qk_norm: RMSNorm on q and k (q_norm, k_norm), before RoPE.
+    qk_norm_scope: "head": each head's vector, after the split into heads (Qwen3, Gemma 3);
+        "projection": the whole q / k projection output, before the split (OLMo 2/3).
     sliding_window: where the family reads the window it passes to the interface: the module's
         `sliding_window` attribute, the config's, or nowhere.
     softcap_attr: module attribute holding the attention-logit softcap (Gemma 2), passed as
@@ -46,6 +48,7 @@ class AttentionSpec:
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
     qk_norm: bool = False
+    qk_norm_scope: Literal["head", "projection"] = "head"
     sliding_window: Literal["module", "config"] | None = None
     softcap_attr: str | None = None
     query_scale: Literal["llama4"] | None = None
@@ -108,7 +111,9 @@ class PatchSpec:
     attention: AttentionSpec
     causal_lm: CausalLMSpec
     mlp: MlpSpec | None = None
-    # None: the family's layers keep their forward (Gemma 2/3 put norms after attention and MLP)
+    # None: the family's layers keep their forward. Gemma 2/3 put a norm on each branch's output
+    # before the add as well; OLMo 2/3 only there (post-norm): no residual add feeds a norm of
+    # the layer, so there is nothing to fuse, and the norms' dY is the residual's gradient too.
     decoder_layer: DecoderLayerSpec | None = None
     embedding: EmbeddingSpec = field(default=EmbeddingSpec())
     notes: tuple[str, ...] = field(default=())

@@ -4,7 +4,7 @@ these entries and nothing else about a family."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from memplan.families.family import ConfigRules, Family, MoeRules
 from memplan.families.patch_spec import (
@@ -66,6 +66,53 @@ _MISTRAL_7B = {
     "max_position_embeddings": 131072,
 }
 _EXPERTS_KEPT = ("the experts (3-D fused weights) keep transformers' implementation",)
+
+# Olmo2Config's and Olmo3Config's shared defaults (OLMo 7B's sizes).
+_OLMO_7B = {
+    "vocab_size": 50304,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+}
+_POST_NORM_KEPT = (
+    "post-norm decoder layers keep their forward: no residual add feeds a norm to fuse it into",
+)
+
+
+def _olmo_patch(
+    model_type: str, prefix: str, *, sliding_window: Literal["module"] | None = None
+) -> PatchSpec:
+    """OLMo 2/3: RMSNorms that multiply by w in fp32 (Gemma casting, no offset), whose output
+    gradient after attention and the MLP is the residual's too; q/k norms over the whole
+    projection; post-norm layers left as they are."""
+    return PatchSpec(
+        model_type=model_type,
+        norm=NormSpec(
+            classes=_classes(prefix, "RMSNorm"), casting="gemma", in_place_backward=False
+        ),
+        attention=AttentionSpec(
+            classes=_classes(prefix, "Attention"),
+            qk_norm=True,
+            qk_norm_scope="projection",
+            sliding_window=sliding_window,
+        ),
+        mlp=MlpSpec(classes=_classes(prefix, "MLP")),
+        causal_lm=CausalLMSpec(classes=_classes(prefix, "ForCausalLM")),
+        notes=_POST_NORM_KEPT,
+    )
+
+
+def _olmo_rules(**rules: Any) -> ConfigRules:
+    return ConfigRules(
+        qk_norm=True,
+        qk_norm_scope="projection",
+        post_norm=True,
+        rope_in_fp32=True,
+        **rules,
+    )
+
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -360,6 +407,23 @@ FAMILIES: dict[str, Family] = {
                 ),
             ),
             tiny_from="phi-3-mini",
+        ),
+        Family(
+            model_type="olmo2",
+            config=_olmo_rules(defaults=_OLMO_7B),
+            patch=_olmo_patch("olmo2", "Olmo2"),
+            tiny_from="olmo-2-0425-1b",
+        ),
+        Family(
+            model_type="olmo3",
+            config=_olmo_rules(
+                defaults={**_OLMO_7B, "sliding_window": 4096},
+                windowed_layers="pattern",
+                sliding_window_pattern=4,
+                rope_per_layer_type=True,
+            ),
+            patch=_olmo_patch("olmo3", "Olmo3", sliding_window="module"),
+            tiny_from="olmo-3-7b-instruct",
         ),
     )
 }

@@ -320,13 +320,15 @@ def attention_forward(
             query = self.q_proj(x_q)
             key = self.k_proj(x_k)
             value = self.v_proj(x_v)
+        if spec.qk_norm and spec.qk_norm_scope == "projection":
+            query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (t.view(hidden_shape) for t in (query, key, value))
 
-        # The norm is per head vector, so before or after the transpose is the same math; before
-        # it, the norm kernel reads contiguous rows and its output keeps the (batch, seq, heads,
-        # head_dim) layout transformers' own ops keep (a contiguous (batch, heads, seq, ...)
-        # output would make attention's output need a copy before o_proj).
-        if spec.qk_norm:
+        # A per-head norm is per head vector, so before or after the transpose is the same math;
+        # before it, the norm kernel reads contiguous rows and its output keeps the (batch, seq,
+        # heads, head_dim) layout transformers' own ops keep (a contiguous (batch, heads, seq,
+        # ...) output would make attention's output need a copy before o_proj).
+        if spec.qk_norm and spec.qk_norm_scope == "head":
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
 

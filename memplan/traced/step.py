@@ -228,6 +228,7 @@ def trace_steps(
     semantics = CudaSemantics(autocast, capability)
     regions.semantics = semantics
     labels = ModuleLabels(model, recorder.where, getattr(model, "config", config))
+    rotary_hooks = rotary_embeddings_without_autocast(model, autocast)
     where = recorder.where
 
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -260,9 +261,34 @@ def trace_steps(
     finally:
         recorder.closed = True
         labels.remove()
+        for handle in rotary_hooks:
+            handle.remove()
     run.attention_kernels = dict(semantics.kernels)
     run.attention_calls = dict(semantics.calls)
     return run
+
+
+def rotary_embeddings_without_autocast(model: Any, autocast: Autocast | None) -> list[Any]:
+    """Hooks that switch the emulated autocast off in each rotary embedding's forward, as
+    transformers' maybe_autocast(enabled=False) does on CUDA (on meta tensors it is a no-op):
+    cos/sin are computed in fp32, and stay fp32 where the family does not cast them (OLMo)."""
+    if autocast is None:
+        return []
+    handles = []
+    for module in model.modules():
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            continue
+        before: list[bool] = []
+
+        def enter(_module: Any, _args: Any, before: list[bool] = before) -> None:
+            before.append(autocast.enabled)
+            autocast.enabled = False
+
+        def leave(_module: Any, _args: Any, _out: Any, before: list[bool] = before) -> None:
+            autocast.enabled = before.pop()
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return handles
 
 
 def _one_step(

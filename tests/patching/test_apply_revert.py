@@ -42,7 +42,13 @@ def step_outputs(model: nn.Module) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma2", "phi3", "mixtral"))],
+    [
+        "llama",
+        *(
+            pytest.param(f, marks=pytest.mark.slow)
+            for f in ("gemma2", "phi3", "mixtral", "olmo2", "olmo3")
+        ),
+    ],
 )
 def test_revert_restores_bit_identical_outputs(family):
     model = build(family)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import memplan.patching as mp
+from memplan.families import FAMILIES
 from memplan.kernels import rms_norm as norm_kernels
 from memplan.patching import engine, forwards
 
@@ -29,6 +30,8 @@ PRE_NORM_FAMILIES = (
     "mixtral",
     "qwen3_moe",
 )
+# Norms after attention and the MLP: before them too (sandwich, Gemma 2/3) or only there (OLMo 2/3)
+POST_NORM_FAMILIES = ("gemma2", "gemma3_text", "olmo2", "olmo3")
 
 
 @pytest.fixture
@@ -80,10 +83,22 @@ def test_every_residual_add_is_fused_and_nothing_is_left_behind(family, counted)
     assert leftover_entries(patched) == []
 
 
-def test_sandwich_norm_families_keep_their_layers():
-    for family in ("gemma2", "gemma3_text"):
-        applied = mp.apply(build(family))
+def test_the_registry_says_which_layers_are_fused():
+    fused = {name for name, family in FAMILIES.items() if family.patch.decoder_layer is not None}
+    assert fused == set(PRE_NORM_FAMILIES)
+    assert set(FAMILIES) - fused == set(POST_NORM_FAMILIES)
+
+
+def test_post_norm_families_keep_their_layers():
+    """A norm on a branch's output feeds the residual add: no add feeds a norm to run in it, and
+    the norm's output gradient is the residual's too, which its backward must not overwrite."""
+    for family in POST_NORM_FAMILIES:
+        model = build(family)
+        applied = mp.apply(model)
         assert not any("layers." in n and n.count(".") == 2 for n in applied.modules["rms_norm"])
+        assert "model.layers.0.post_attention_layernorm" in applied.modules["rms_norm"]
+        assert not FAMILIES[family].patch.norm.in_place_backward
+        assert all("forward" not in layer.__dict__ for layer in model.model.layers)
 
 
 def test_gradient_checkpointing_keeps_each_add_in_its_own_layer(counted):

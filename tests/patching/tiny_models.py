@@ -40,8 +40,8 @@ def shrink(
 ) -> dict:
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
-    sequences (so it matters), alternating sliding/full layers for Gemma 2/3, fewer experts,
-    Ministral 3's query factor past the fourth position."""
+    sequences (so it matters), alternating sliding/full layers for Gemma 2/3 and OLMo 3, fewer
+    experts, Ministral 3's query factor past the fourth position."""
     sizes = TINY if sizes is None else sizes
     config = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
     config.update(sizes)
@@ -52,7 +52,7 @@ def shrink(
         config["sliding_window"] = window
     if "query_pre_attn_scalar" in config:
         config["query_pre_attn_scalar"] = config["head_dim"]
-    if config["model_type"] in ("gemma2", "gemma3_text"):
+    if config["model_type"] in ("gemma2", "gemma3_text", "olmo3"):
         kinds = ("sliding_attention", "full_attention")
         config["layer_types"] = [kinds[i % 2] for i in range(config["num_hidden_layers"])]
     if "num_local_experts" in config:  # mixtral

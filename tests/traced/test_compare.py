@@ -40,7 +40,22 @@ VARIANTS = {
     "qwen3_moe": {"optimizer": "sgd-momentum"},
     # the first layer's q needs no gradient: it keeps no query factor
     "ministral3": {"lora_rank": 16, "lora_targets": ("k_proj", "v_proj")},
+    # q, k and v keep the checkpointed layer's input itself (post-norm)
+    "olmo2": {"grad_checkpointing": True},
+    # fp32 cos/sin, one pair per layer type, under autocast
+    "olmo3": {"precision": "amp-bf16"},
 }
+# More options for the families whose traits they meet (under `-m slow`).
+SLOW_VARIANTS = [
+    ("olmo2", {"precision": "amp-bf16"}),
+    ("olmo2", {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj"), "grad_checkpointing": True}),
+    # the checkpointed sliding layers keep their mask until backward
+    ("olmo3", {"grad_checkpointing": True}),
+    ("olmo3", {"grad_checkpointing": True, "precision": "amp-bf16"}),
+    # the first (sliding) layer saves no rotation: its cos/sin pair is freed
+    ("olmo3", {"lora_rank": 16, "lora_targets": ("gate_proj", "up_proj", "down_proj")}),
+    ("olmo3", {"lora_rank": 16, "lora_targets": ("k_proj", "o_proj"), "precision": "amp-bf16"}),
+]
 
 
 def small_spec(family: str):
@@ -72,6 +87,10 @@ def cases() -> list:
             reason = "materialized attention scores in backward (docs/traced.md)"
             marks = pytest.mark.xfail(strict=True, reason=reason)
         out.append(pytest.param(family, options, id=f"{family}-variant", marks=marks))
+    for index, (family, options) in enumerate(SLOW_VARIANTS):
+        out.append(
+            pytest.param(family, options, id=f"{family}-variant{index}", marks=pytest.mark.slow)
+        )
     return out
 
 

@@ -12,13 +12,20 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from memplan.estimators.events import EventLog
 from memplan.schema import TrainSetup
+from memplan.traced.autocast import Autocast
+from memplan.traced.emulation import CudaSemantics
 from memplan.traced.estimate import event_log
 from memplan.traced.model import hf_config
-from memplan.traced.step import TracedRun, make_optimizer, trace_steps
+from memplan.traced.step import (
+    TracedRun,
+    make_optimizer,
+    rotary_embeddings_without_autocast,
+    trace_steps,
+)
 from tests.traced.tiny import UNREGISTERED, tiny
 
 BATCH, SEQ = 2, 24
-FAMILIES = ["llama", "qwen3", "gemma2", "phi3", "mixtral", *UNREGISTERED]
+FAMILIES = ["llama", "qwen3", "gemma2", "phi3", "mixtral", "olmo3", *UNREGISTERED]
 
 
 def traced(family: str, steps: int = 1, **setup) -> TracedRun:
@@ -144,3 +151,24 @@ def test_every_release_follows_its_allocation(setup: dict) -> None:
     assert tagged_bytes(run, "cublas_workspace") == 2 * 32 * 2**20
     loss = [t for t in alive if categories[t] == "logits_and_loss"]
     assert [alive[t] for t in loss] == [4]
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_rotary_embeddings_compute_without_autocast(hooked: bool) -> None:
+    """transformers computes cos/sin with autocast off (maybe_autocast(enabled=False), a no-op on
+    meta tensors): under the emulated autocast they come out fp32, as OLMo keeps them, only with
+    the traced step's hooks; without, the emulation would run their matmul in bf16."""
+    fields = tiny("olmo3")
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    autocast = Autocast(torch.bfloat16, enabled=True)
+    handles = rotary_embeddings_without_autocast(model, autocast) if hooked else []
+    hidden = torch.empty(BATCH, SEQ, config.hidden_size, device="meta")
+    positions = torch.arange(SEQ, device="meta")[None]
+    with CudaSemantics(autocast, (9, 0)):
+        cos, sin = model.model.rotary_emb(hidden, positions, "full_attention")
+    for handle in handles:
+        handle.remove()
+    assert (cos.dtype, sin.dtype) == ((torch.float32,) * 2 if hooked else (torch.bfloat16,) * 2)
+    assert autocast.enabled
