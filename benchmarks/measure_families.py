@@ -1,0 +1,81 @@
+"""The families added to the registry, measured on one GPU (docs/accuracy.md, new families):
+three cases each (Hugging Face as it is, the advisor's plan, and LoRA or checkpointing),
+predicted before anything ran.
+
+    python benchmarks/measure_families.py predict --gpu h100 --out PREDICTIONS.json
+    python benchmarks/measure_families.py measure PREDICTIONS.json --out-dir DIR [--only RE]
+    python benchmarks/measure_families.py table PREDICTIONS.json RESULTS.json
+
+`predict` needs no GPU; `measure` runs each case in a fresh process (`memplan verify`'s child)
+and writes DIR/families_results.json after every case; `table` prints the first predictions
+and the current code's against the measurements."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.first_predictions import (  # noqa: E402
+    main,
+    measure_predicted,
+    print_table,
+    write_predictions,
+)
+from memplan.advisor import advise  # noqa: E402
+from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
+from memplan.verify.predict import with_layers  # noqa: E402
+
+SEQ = 2048
+LORA = {"lora_rank": 16}
+CHECKPOINTING = {"grad_checkpointing": True}
+
+# (catalog model, decoder layers kept (None: all), batch, third case's options): each model
+# runs with kernels off, with the advisor's plan, and with kernels off plus the options.
+FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
+    ("ministral-3-8b", 6, 4, CHECKPOINTING),
+    ("mistral-small-3.1-24b", 4, 2, LORA),
+    ("olmo-2-0425-1b", None, 4, LORA),
+    ("olmo-3-7b-instruct", 6, 4, CHECKPOINTING),
+]
+
+
+def runs(gpu: Any) -> list[tuple[Any, Any]]:
+    out = []
+    for model, layers, batch, options in FAMILY_CASES:
+        spec = resolve_model(model)
+        if layers is not None:
+            spec = with_layers(spec, layers)
+        for kernels, extra in (("none", {}), ("auto", {}), ("none", options)):
+            setup = advise(spec, batch, SEQ, gpu=gpu, kernels=kernels, **extra).setup
+            out.append((spec, setup))
+    return out
+
+
+def predict(args: argparse.Namespace) -> int:
+    gpu = resolve_gpu(args.gpu)
+    return write_predictions(runs(gpu), gpu, Path(args.out))
+
+
+def measure(args: argparse.Namespace) -> int:
+    measure_predicted(
+        Path(args.predictions),
+        Path(args.out_dir) / "families_results.json",
+        label="the registry's new families, one GPU",
+        only=args.only,
+        timeout_s=args.timeout,
+        say=lambda item, m: f"{m.status} {m.error or ''} {m.error_pct}",
+    )
+    return 0
+
+
+def table(args: argparse.Namespace) -> int:
+    return print_table(Path(args.predictions), Path(args.results))
+
+
+if __name__ == "__main__":
+    sys.exit(main(__doc__, predict, measure, table, timeout_s=300))
