@@ -15,8 +15,9 @@ memory-efficient, math; it is what tests/data/saved_cuda_probe.json recorded on 
 32-padded logsumexp for fp32 without grouped heads, the math path for fp32 with them) and what
 estimators/contracts.py (attention_saved, sdpa_math_path) encodes:
 
-  cudnn      fp16/bf16, head dims <= 128 (training), a multiple of 8; dropout a multiple of
-             1/16; grouped KV heads and masks accepted; first on sm90 and sm10x only
+  cudnn      fp16/bf16, head dims <= 128 (training; <= 256 from cuDNN 9.19), a multiple of 8;
+             dropout a multiple of 1/16 (any from 9.19); grouped KV heads and masks accepted;
+             first on sm90 and sm10x only
   flash      fp16/bf16, no mask, head dim <= 256, q, k, v of one head dim; grouped KV heads
              accepted; sm80..sm121
   efficient  fp16/bf16/fp32, head dim a multiple of 8 (fp16/bf16) or 4 (fp32), masks
@@ -58,15 +59,23 @@ class SdpaCall:
     dropout_p: float = 0.0
 
 
-def choose_kernel(call: SdpaCall, compute_capability: tuple[int, int] = (9, 0)) -> Kernel:
-    """The kernel CUDA SDPA runs for this call (torch 2.11, cuDNN >= 9.15; module docstring)."""
+# From this cuDNN release (9.19, seen on an H100) cuDNN attention trains head dims up to 256 with
+# any dropout probability; the H200 probe's release took head dims up to 128, dropout in 1/16ths.
+CUDNN_WIDE_TRAINING = 91900
+
+
+def choose_kernel(
+    call: SdpaCall, compute_capability: tuple[int, int] = (9, 0), cudnn: int | None = None
+) -> Kernel:
+    """The kernel CUDA SDPA runs for this call (torch 2.11; module docstring) with cuDNN release
+    `cudnn` (torch.backends.cudnn.version(); None: the release the H200 probe ran)."""
     major = compute_capability[0]
     low = call.dtype in LOW_PRECISION
     grouped = call.heads_kv != call.heads_q
     same_dims = call.head_dim_qk == call.head_dim_v
     ampere_or_newer = (8, 0) <= compute_capability <= (12, 1)
     # cuDNN is preferred on sm90 and sm10x only; elsewhere flash comes first.
-    if low and major in (9, 10) and _cudnn_accepts(call):
+    if low and major in (9, 10) and _cudnn_accepts(call, cudnn):
         return "cudnn"
     flash = (
         low
@@ -87,25 +96,30 @@ def choose_kernel(call: SdpaCall, compute_capability: tuple[int, int] = (9, 0)) 
     )
     if efficient:
         return "efficient"
-    if low and major not in (9, 10) and _cudnn_accepts(call):
+    if low and major not in (9, 10) and _cudnn_accepts(call, cudnn):
         return "cudnn"
     return "math"
 
 
-def _cudnn_accepts(call: SdpaCall) -> bool:
+def _cudnn_accepts(call: SdpaCall, cudnn: int | None) -> bool:
     """check_cudnn_tensor_shapes, check_cudnn_d256_bprop_head_dim and check_cudnn_dropout for a
-    training step: head dims of at most 128 (or 192 for q/k with 128 for v), multiples of 8; key
-    length not 1; a dropout probability that is a multiple of 1/16."""
-    dims_ok = (call.head_dim_qk <= 128 and call.head_dim_v <= 128) or (
-        call.head_dim_qk == 192 and call.head_dim_v == 128
-    )
+    training step: head dims multiples of 8, of at most 128 (or 192 for q/k with 128 for v) and a
+    dropout probability that is a multiple of 1/16, or from CUDNN_WIDE_TRAINING on, head dims of
+    at most 256 and any dropout; key length not 1."""
+    wide = cudnn is not None and cudnn >= CUDNN_WIDE_TRAINING
+    if wide:
+        dims_ok = call.head_dim_qk <= 256 and call.head_dim_v <= 256
+    else:
+        dims_ok = (call.head_dim_qk <= 128 and call.head_dim_v <= 128) or (
+            call.head_dim_qk == 192 and call.head_dim_v == 128
+        )
     return (
         dims_ok
         and call.head_dim_qk % 8 == 0
         and call.head_dim_v % 8 == 0
         and call.seq_k != 1
         and (call.heads_q % call.heads_kv == 0)
-        and float(call.dropout_p * 16).is_integer()
+        and (wide or float(call.dropout_p * 16).is_integer())
     )
 
 

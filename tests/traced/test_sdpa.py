@@ -64,6 +64,22 @@ def test_kernel_choice(sdpa: SdpaCall, capability: tuple[int, int], kernel: str)
     assert choose_kernel(sdpa, capability) == kernel
 
 
+@pytest.mark.parametrize(
+    "sdpa,kernel",
+    [
+        (call(head_dim=256), "cudnn"),
+        (call(head_dim=256, masked=True, kv=2), "cudnn"),
+        (call(head_dim=160), "cudnn"),
+        (call(dropout=0.1), "cudnn"),
+        (call(head_dim=264), "efficient"),
+        (call(head_dim=512, kv=2), "math"),
+    ],
+)
+def test_kernel_choice_on_cudnn_9_19(sdpa: SdpaCall, kernel: str) -> None:
+    """What torch 2.11 picked on an H100 with cuDNN 9.19 (docs/traced.md)."""
+    assert choose_kernel(sdpa, (9, 0), cudnn=91900) == kernel
+
+
 def forward_saved(probe: dict, model_type: str, setup: TrainSetup) -> int:
     """Bytes the traced forward leaves saved (the 4-byte held loss taken off)."""
     fields = {**probe["tiny"], **probe["families"][model_type], "model_type": model_type}
@@ -127,8 +143,8 @@ def test_one_kv_head_saves_what_the_h200_saved(name: str, case: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", range(12))
 def test_kernel_choice_is_the_gpu_s(index: int) -> None:
-    """On a GPU, torch's own dispatcher agrees with the emulated choice (the rules are torch
-    2.11's with cuDNN >= 9.15 on sm90; another torch or cuDNN shows here first)."""
+    """On a GPU, torch's own dispatcher agrees with the emulated choice for the GPU's cuDNN (the
+    rules are torch 2.11's; another torch shows here first)."""
     from memplan.traced.sdpa import cuda_choice
 
     sdpa = [
@@ -145,4 +161,5 @@ def test_kernel_choice_is_the_gpu_s(index: int) -> None:
         call(dtype=torch.float16, head_dim=512),
         call(head_dim=80, kv=4),
     ][index]
-    assert choose_kernel(sdpa, torch.cuda.get_device_capability()) == cuda_choice(sdpa)
+    capability, cudnn = torch.cuda.get_device_capability(), torch.backends.cudnn.version()
+    assert choose_kernel(sdpa, capability, cudnn) == cuda_choice(sdpa)
