@@ -37,6 +37,7 @@ CASES = [
     ("qwen2.5-1.5b", None, 4, 2048),
     ("gemma-2b", None, 4, 2048),
     ("llama-3-8b", 4, 8, 2048),
+    ("olmo-2-0425-1b", None, 8, 2048),
 ]
 VARIANTS = ("hf", "liger", "memplan")
 # the goal for memplan against Liger, measured side by side in one run
