@@ -89,6 +89,10 @@ class ModelSpec(BaseModel):
     fused_gate_up: bool = False  # phi3: one gate_up_proj
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # Dropout probabilities in training: on the attention probabilities, and on the attention
+    # and MLP outputs before their residual adds (seed_oss).
+    attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    residual_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     sliding_window: int | None = Field(default=None, gt=0)
     layer_types: tuple[str, ...] | None = None
     # Mixture of experts (mixtral, qwen3_moe); 0 means dense.

@@ -94,6 +94,9 @@ def test_known_values_of_a_few_checkpoints():
     mixtral = resolve_model("mixtral-8x7b")
     assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (8, 2)
     assert mixtral.moe_intermediate_size == 14336
+    seed = resolve_model("seed-oss-36b-instruct")
+    assert seed.attention_bias and not seed.attention_out_bias and seed.head_dim == 128
+    assert (seed.attention_dropout, seed.residual_dropout) == (0.1, 0.1)
     phi = resolve_model("phi-3-mini")
     assert phi.fused_qkv and phi.fused_gate_up and phi.head_dim == 96
     gemma3 = resolve_model("gemma-3-1b")
@@ -214,6 +217,7 @@ BOOLEAN = "true or false (a JSON boolean, not a string or number)"
 NUMBER = "a positive number or null"
 STRING = "a non-empty string"
 LIST = "a list or null"
+PROBABILITY = "a number >= 0 and < 1"
 WINDOWED = {"sliding_window": 64}
 QWEN2_WINDOWED = {"model_type": "qwen2", "use_sliding_window": True, **WINDOWED}
 LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"'
@@ -270,6 +274,11 @@ LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"
          POSITIVE_INT, "-1"),
         ({"model_type": "gemma3", "text_config": {"model_type": "llama"}},
          "text_config.model_type", '"gemma3_text"', '"llama"'),
+        ({"attention_dropout": 1.0}, "attention_dropout", PROBABILITY, "1.0"),
+        ({"model_type": "seed_oss", "residual_dropout": "0.1"}, "residual_dropout", PROBABILITY,
+         '"0.1"'),
+        ({"model_type": "seed_oss", "attention_out_bias": None}, "attention_out_bias", BOOLEAN,
+         "null"),
     ],
 )  # fmt: skip
 def test_bad_config_value_is_one_error_naming_the_key(overrides, key, must_be, got):
@@ -317,6 +326,11 @@ def test_a_long_bad_value_is_cut_short():
          {"sliding_window": None}),
         ({"model_type": "qwen3_moe", "num_local_experts": 16, "mlp_only_layers": None},
          {"num_experts": 16}),
+        ({"model_type": "seed_oss", "attention_out_bias": True, "attention_bias": False},
+         {"attention_bias": False, "attention_out_bias": True}),
+        ({"model_type": "seed_oss", "residual_dropout": 0, "attention_dropout": 0.25},
+         {"residual_dropout": 0.0, "attention_dropout": 0.25}),
+        ({"attention_dropout": 0.1, "residual_dropout": 0.5}, {"residual_dropout": 0.0}),
     ],
 )  # fmt: skip
 def test_valid_edge_values_are_read_as_transformers_reads_them(overrides, expected):

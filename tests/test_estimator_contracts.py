@@ -22,9 +22,19 @@ PROBE = json.loads((Path(__file__).parent / "data" / "saved_cuda_probe.json").re
 CASES = sorted(PROBE["saved"])
 
 
+# Families the H200 probe has not recorded: checked live on the CPU, at the probe's sizes with
+# these overrides (dropout as the family's config class has it).
+CPU_ONLY_FAMILIES: dict[str, dict] = {"seed_oss": {"head_dim": 64}}
+
+
+def tiny_overrides(model_type: str) -> dict:
+    """The probe's tiny sizes with the family's own overrides."""
+    family = {**PROBE["families"], **CPU_ONLY_FAMILIES}[model_type]
+    return {**PROBE["tiny"], **family}
+
+
 def probe_config(model_type: str) -> dict:
-    overrides = {**PROBE["tiny"], **PROBE["families"][model_type]}
-    return AutoConfig.for_model(model_type, **overrides).to_dict()
+    return AutoConfig.for_model(model_type, **tiny_overrides(model_type)).to_dict()
 
 
 def predicted(
@@ -43,7 +53,7 @@ def predicted(
 
 def saved_bytes_live(saved_storage_bytes, model_type: str, precision: str, attn: str) -> int:
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn).train()
     return saved_bytes_of(
@@ -85,6 +95,30 @@ def test_matches_autograd_on_cpu(case: str, saved_storage_bytes) -> None:
     assert predicted(model_type, precision, attn, "cpu", INSTALLED) == measured
 
 
+CPU_ONLY_CASES = [
+    f"{family}/{precision}/{attn}"
+    for family in CPU_ONLY_FAMILIES
+    for precision in ("bf16", "fp32")
+    for attn in ("sdpa", "eager")
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        c if c.endswith("/bf16/sdpa") else pytest.param(c, marks=pytest.mark.slow)
+        for c in CPU_ONLY_CASES
+    ],
+)
+def test_unprobed_family_matches_autograd_on_cpu(case: str, saved_storage_bytes) -> None:
+    """seed_oss on the CPU: its dropouts (at::dropout's noise, of the input's dtype, where CUDA's
+    fused kernel keeps a bool mask; SDPA's math path, in fp32, where the CPU's fused kernel takes
+    no dropout) and its attention biases."""
+    model_type, precision, attn = case.split("/")
+    measured = saved_bytes_live(saved_storage_bytes, model_type, precision, attn)
+    assert predicted(model_type, precision, attn, "cpu", INSTALLED) == measured
+
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -110,6 +144,10 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         ("llama", ("q_proj", "v_proj"), "bf16", "eager"),
         ("llama", ("v_proj",), "fp32", "eager"),
         ("gemma2", ("k_proj",), "bf16", "eager"),
+        # seed_oss: dropout after o_proj and down_proj keeps its noise only where a gradient
+        # flows through it (o_proj adapted, q/k/v frozen in the first layer)
+        ("seed_oss", ("o_proj", "down_proj"), "bf16", "eager"),
+        pytest.param("seed_oss", ("v_proj",), "fp32", "sdpa", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -118,7 +156,7 @@ def test_lora_matches_autograd_on_cpu(
     """peft LoRA (fp32 adapters on a frozen base): only what the adapters' gradients need."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=list(targets), lora_dropout=0.0)
@@ -149,6 +187,7 @@ def test_lora_matches_autograd_on_cpu(
                 ("qwen3", ("rms_norm", "rope", "swiglu", "cross_entropy"), "bf16", ()),
                 ("phi3", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
                 ("mixtral", ("rms_norm", "rope", "flce"), "bf16", ()),
+                ("seed_oss", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
             ]
         ),
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
@@ -163,7 +202,7 @@ def test_patched_model_matches_autograd_on_cpu(
     import memplan
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     attn = "eager" if lora_targets else "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
@@ -197,7 +236,7 @@ def test_bf16_weights_under_autocast_match_autograd_on_cpu(model_type, saved_sto
 
     kernels = ("rms_norm", "rope", "swiglu" if model_type == "llama" else "geglu")
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     memplan.apply(model.train(), plan=None, kernels=list(kernels))
     measured = saved_bytes_of(saved_storage_bytes, model, cfg.vocab_size, autocast=True)
@@ -288,6 +327,8 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
             for case in [
                 ("llama", "amp-bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
                 ("llama", "amp-bf16", {"kernels": ("rope",)}),
+                # the CPU's math path (attention dropout) saves fp32 copies of k and v
+                ("seed_oss", "bf16", {}),
             ]
         ),
     ],
@@ -302,7 +343,7 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     from memplan.estimators.timeline import step_sizes, walk_run
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**PROBE["tiny"], **PROBE["families"][model_type]})
+    cfg = AutoConfig.for_model(model_type, **tiny_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
     setup = TrainSetup(
@@ -354,7 +395,7 @@ def test_checkpointed_lora_keeps_the_embedding_leaf_until_the_next_forward() -> 
 
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model("llama", **{**PROBE["tiny"], **PROBE["families"]["llama"]})
+    cfg = AutoConfig.for_model("llama", **tiny_overrides("llama"))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).train()
     model.gradient_checkpointing_enable()
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj"], lora_dropout=0.0)
@@ -404,7 +445,7 @@ def test_one_kv_head_matches_h200_probe(case: str) -> None:
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_one_kv_head_matches_autograd_on_cpu(model_type, precision, attn, saved_storage_bytes):
-    overrides = {**PROBE["tiny"], **PROBE["families"][model_type], "num_key_value_heads": 1}
+    overrides = {**tiny_overrides(model_type), "num_key_value_heads": 1}
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **overrides)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

@@ -25,6 +25,7 @@ _COMMON: dict[str, Any] = {
     "mlp_bias": False,
     "sliding_window": None,
     "use_cache": True,
+    "attention_dropout": 0.0,
 }
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -108,6 +109,10 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "fused_gate_up": rules.fused,
         "final_logit_softcapping": _optional_positive_float(cfg, "final_logit_softcapping"),
         "attn_logit_softcapping": _optional_positive_float(cfg, "attn_logit_softcapping"),
+        "attention_dropout": _probability(cfg, "attention_dropout"),
+        "residual_dropout": _probability(cfg, rules.residual_dropout_key)
+        if rules.residual_dropout_key
+        else 0.0,
         "sliding_window": sliding_window,
         "layer_types": layer_types,
         "num_experts": num_experts,
@@ -201,6 +206,13 @@ def _optional_positive_float(cfg: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
+def _probability(cfg: dict[str, Any], key: str) -> float:
+    value = cfg.get(key)
+    if not (_is_int(value) or isinstance(value, float)) or not 0 <= value < 1:
+        raise _bad_value(key, value, "a number >= 0 and < 1")
+    return float(value)
+
+
 def _boolean(cfg: dict[str, Any], key: str) -> bool:
     value = cfg.get(key)
     if not isinstance(value, bool):
@@ -234,6 +246,8 @@ def _attention_biases(rules: ConfigRules, cfg: dict[str, Any]) -> tuple[bool, bo
         return False, False
     if rule == "qkv":
         return True, False
+    if rule == "out_key":
+        return _boolean(cfg, "attention_bias"), _boolean(cfg, "attention_out_bias")
     bias = _boolean(cfg, "attention_bias")
     return bias, bias
 

@@ -182,11 +182,17 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         # the scores do; the fp32 softmax output when the scores do, its low-precision cast
         # when v does (in fp32 the cast is the softmax output itself). SDPA's math path (fp32
         # with grouped KV heads on CUDA: no fused kernel takes it) runs the same ops in fp32.
+        # Dropout on the probabilities keeps its mask (or noise) when the scores need a
+        # gradient, and matmul(probs, v) then keeps the dropped copy instead of the cast.
         q_grad, k_grad, v_grad = qkv_need_grad(ctx)
         scores_grad = q_grad or k_grad
-        out.add_each("attn.qkv", *[p * nh * hd] * (k_grad + q_grad + scores_grad))
-        cast_kept = v_grad and (p < FP32 or not scores_grad)
-        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p * nh * seq * cast_kept)
+        p_scores = scores_bytes(ctx)
+        dropout = spec.attention_dropout > 0
+        out.add_each("attn.qkv", *[p_scores * nh * hd] * (k_grad + q_grad + scores_grad))
+        cast_kept = v_grad and (dropout or p_scores < FP32 or not scores_grad)
+        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p_scores * nh * seq * cast_kept)
+        if dropout and scores_grad:
+            out.add("attn.dropout", dropout_saved_bytes(ctx, p_scores) * nh * seq)
         if ctx.setup.attn == "eager" and spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
         if o_input_kept(ctx):
@@ -240,14 +246,38 @@ def adapters_share_inputs(dtypes: DtypePlan) -> bool:
 
 
 def sdpa_math_path(spec: ModelSpec, dtypes: DtypePlan, backend: str, masked: bool) -> bool:
-    """Whether CUDA SDPA falls back to its math path, which materializes (heads x seq) fp32
-    probabilities: fp32 q, k, v with grouped KV heads and no mask. transformers passes
+    """Whether SDPA falls back to its math path, which materializes (heads x seq) fp32
+    probabilities. On CUDA: fp32 q, k, v with grouped KV heads and no mask. transformers passes
     enable_gqa=True only when there is no mask and the KV heads are grouped
     (integrations/sdpa_attention.use_gqa_in_sdpa); on CUDA only flash attention and the math
     path take enable_gqa, and flash attention takes no fp32. Without grouped heads the
-    memory-efficient kernel takes fp32."""
+    memory-efficient kernel takes fp32. On the CPU: with dropout, which its fused kernel does
+    not take (the math path then computes bf16 in fp32)."""
+    if backend != "cuda":
+        return spec.attention_dropout > 0
     grouped = spec.num_key_value_heads < spec.num_attention_heads
-    return dtypes.proj == FP32 and backend == "cuda" and grouped and not masked
+    return dtypes.proj == FP32 and grouped and not masked
+
+
+def scores_bytes(ctx: LayerContext) -> int:
+    """Bytes per element of q, k, v and the probabilities where attention materializes scores:
+    the projections' dtype for eager attention, fp32 on SDPA's math path."""
+    return ctx.dtypes.proj if ctx.setup.attn == "eager" else FP32
+
+
+def dropout_saved_bytes(ctx: LayerContext, input_bytes: int) -> int:
+    """Bytes per element dropout saves for backward in training: CUDA's fused native_dropout a
+    bool mask; on other devices at::dropout multiplies by a noise tensor of the input's dtype,
+    which the product saves."""
+    return 1 if ctx.backend == "cuda" else input_bytes
+
+
+def fused_attention_kernel(ctx: LayerContext) -> Literal["cudnn", "flash"]:
+    """The fused SDPA kernel of a bf16/fp16 layer without a mask on CUDA (sm90): cuDNN, unless
+    its head dim is over 128 or the dropout is not a multiple of 1/16 (traced/sdpa.py)."""
+    hd = ctx.spec.head_dim
+    cudnn = hd <= 128 and hd % 8 == 0 and float(ctx.spec.attention_dropout * 16).is_integer()
+    return "cudnn" if cudnn else "flash"
 
 
 def attention_path(ctx: LayerContext) -> Literal["scores", "memory_efficient", "fused"]:
@@ -290,7 +320,7 @@ def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -
         unrepeated = one_group or repeat_is_view(ctx)
     else:
         unrepeated = True
-    p = ctx.dtypes.proj
+    p = scores_bytes(ctx) if path == "scores" else ctx.dtypes.proj
     return (
         key_saved and unrepeated and key_bytes == p,
         value_saved and unrepeated and value_bytes == p,
@@ -385,6 +415,8 @@ def layer_saved(ctx: LayerContext) -> Saved:
         input_requires_grad=ctx.needs_input_grad,
     )
     attention_saved(ctx, out)
+    if spec.residual_dropout and ctx.output_needs_grad(1):
+        out.add("attn.residual_dropout", dropout_saved_bytes(ctx, d.proj) * spec.hidden_size)
     after_attention = ctx.output_needs_grad(1)
     if spec.sandwich_norm:
         norm_saved(
@@ -410,6 +442,8 @@ def layer_saved(ctx: LayerContext) -> Saved:
         input_requires_grad=after_attention,
     )
     mlp_saved(ctx, out)
+    if spec.residual_dropout and ctx.output_needs_grad(3):
+        out.add("mlp.dropout", dropout_saved_bytes(ctx, d.proj) * spec.hidden_size)
     if spec.sandwich_norm:
         norm_saved(
             ctx,

@@ -33,14 +33,18 @@ class ConfigRules:
     """How a config.json of the family reads: transformers' class defaults and the traits that
     are the family's rather than the config's.
 
-    attention_bias: "config" (q/k/v/o follow attention_bias), "never", or "qkv" (q/k/v always,
-        o never). windowed_layers: which layers slide when a window is given: "all",
-        "all_if_enabled" (use_sliding_window), "from_max_window_layers", or "pattern" (every
-        sliding_window_pattern-th layer is full). fused: one qkv_proj and one gate_up_proj."""
+    attention_bias: "config" (q/k/v/o follow attention_bias), "never", "qkv" (q/k/v always,
+        o never) or "out_key" (q/k/v follow attention_bias, o attention_out_bias).
+    residual_dropout_key: the config key of the dropout on the attention and MLP outputs before
+        their residual adds (None: the family has none). windowed_layers: which layers slide
+        when a window is given: "all", "all_if_enabled" (use_sliding_window),
+        "from_max_window_layers", or "pattern" (every sliding_window_pattern-th layer is full).
+        fused: one qkv_proj and one gate_up_proj."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
-    attention_bias: Literal["config", "never", "qkv"] = "config"
+    attention_bias: Literal["config", "never", "qkv", "out_key"] = "config"
+    residual_dropout_key: str | None = None
     mlp_bias: bool = False  # whether the config's mlp_bias is read (otherwise no MLP bias)
     windowed_layers: Literal["all", "all_if_enabled", "from_max_window_layers", "pattern"] = "all"
     sliding_window_pattern: int | None = None

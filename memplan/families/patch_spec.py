@@ -38,24 +38,30 @@ class AttentionSpec:
     sliding_window: where the family reads the window it passes to the interface: the module's
         `sliding_window` attribute, the config's, or nowhere.
     softcap_attr: module attribute holding the attention-logit softcap (Gemma 2), passed as
-        `softcap=`."""
+        `softcap=`.
+    output_dropout_attr: module attribute holding the dropout probability applied to o_proj's
+        output in training (seed_oss's residual_dropout)."""
 
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
     qk_norm: bool = False
     sliding_window: Literal["module", "config"] | None = None
     softcap_attr: str | None = None
+    output_dropout_attr: str | None = None
 
 
 @dataclass(frozen=True)
 class MlpSpec:
     """Gated MLP modules -> swiglu or geglu, picked by the config's activation name.
 
-    fused_gate_up: one gate_up_proj whose output halves are (gate, up) (phi3)."""
+    fused_gate_up: one gate_up_proj whose output halves are (gate, up) (phi3).
+    output_dropout_attr: module attribute holding the dropout probability applied to down_proj's
+        output in training (seed_oss's residual_dropout)."""
 
     classes: tuple[str, ...]
     activation_config_attr: str = "hidden_act"
     fused_gate_up: bool = False
+    output_dropout_attr: str | None = None
 
 
 @dataclass(frozen=True)

@@ -332,5 +332,38 @@ FAMILIES: dict[str, Family] = {
             ),
             tiny_from="phi-3-mini",
         ),
+        Family(
+            model_type="seed_oss",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 155136,
+                    "hidden_size": 4096,
+                    "intermediate_size": 27648,
+                    "num_hidden_layers": 64,
+                    "num_attention_heads": 80,
+                    "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "max_position_embeddings": 524288,
+                    "attention_bias": True,
+                    "attention_out_bias": False,
+                    "attention_dropout": 0.1,
+                    "residual_dropout": 0.1,
+                },
+                attention_bias="out_key",
+                mlp_bias=True,
+                residual_dropout_key="residual_dropout",
+            ),
+            patch=PatchSpec(
+                model_type="seed_oss",
+                norm=NormSpec(classes=("SeedOssRMSNorm",)),
+                attention=AttentionSpec(
+                    classes=("SeedOssAttention",), output_dropout_attr="residual_dropout"
+                ),
+                mlp=MlpSpec(classes=("SeedOssMLP",), output_dropout_attr="residual_dropout"),
+                causal_lm=CausalLMSpec(classes=("SeedOssForCausalLM",)),
+                decoder_layer=DecoderLayerSpec(classes=("SeedOssDecoderLayer",)),
+            ),
+            tiny_from="seed-oss-36b-instruct",
+        ),
     )
 }

@@ -503,6 +503,8 @@ def _plan_targets(
                 needed += ["q_norm", "k_norm"] if spec.attention.qk_norm else []
                 needed += [spec.attention.softcap_attr] if spec.attention.softcap_attr else []
                 needed += ["sliding_window"] if spec.attention.sliding_window == "module" else []
+                dropout = spec.attention.output_dropout_attr
+                needed += [dropout] if dropout else []
                 _require(module, needed)
                 eager = forwards.family_function(module, "eager_attention_forward")
                 forward = forwards.attention_forward(spec.attention, functions["rope"], eager)
@@ -511,7 +513,8 @@ def _plan_targets(
                 projections = (
                     ("gate_up_proj",) if spec.mlp.fused_gate_up else ("gate_proj", "up_proj")
                 )
-                _require(module, (*projections, "down_proj"))
+                dropout = spec.mlp.output_dropout_attr
+                _require(module, (*projections, "down_proj", *([dropout] if dropout else [])))
                 glu_function = functions[glu]
                 if glu == "geglu":
                     activation = getattr(hf_model.config, spec.mlp.activation_config_attr)

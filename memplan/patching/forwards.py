@@ -111,14 +111,23 @@ def embedding_forward(embedding: Callable[..., torch.Tensor], scale_attr: str | 
     return forward
 
 
+def output_dropout(module: nn.Module, out: torch.Tensor, dropout_attr: str | None) -> torch.Tensor:
+    """A branch output through the dropout the family's own forward applies to it in training
+    (the probability in `dropout_attr` of the module), or as it is."""
+    if dropout_attr is None:
+        return out
+    return F.dropout(out, p=getattr(module, dropout_attr), training=module.training)
+
+
 def mlp_forward(
     spec: MlpSpec, glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ) -> Forward:
+    dropout_attr = spec.output_dropout_attr
     if spec.fused_gate_up:
 
         def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return glu(gate, up, down=self.down_proj)
+            return output_dropout(self, glu(gate, up, down=self.down_proj), dropout_attr)
 
     else:
         # gate and up are fresh projection outputs that nothing else reads (a Linear's backward
@@ -128,7 +137,8 @@ def mlp_forward(
         ) -> torch.Tensor:
             x_gate, x_up = projection_inputs.get(PROJECTION_INPUTS, (x, x))
             gate, up = self.gate_proj(x_gate), self.up_proj(x_up)
-            return glu(gate, up, in_place_backward=True, down=self.down_proj)
+            out = glu(gate, up, in_place_backward=True, down=self.down_proj)
+            return output_dropout(self, out, dropout_attr)
 
     return forward
 
@@ -287,6 +297,7 @@ def attention_forward(
 ) -> Forward:
     """One attention forward for every family: project, (qk-norm), RoPE kernel, cache update,
     then transformers' attention interface chosen by config._attn_implementation."""
+    dropout_attr = spec.output_dropout_attr
 
     def forward(
         self: nn.Module,
@@ -354,7 +365,7 @@ def attention_forward(
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return output_dropout(self, self.o_proj(attn_output), dropout_attr), attn_weights
 
     return forward
 

@@ -12,7 +12,7 @@ import torch
 
 import memplan.patching as mp
 
-from .tiny_models import FAMILIES, batch, build, lockstep, pair, rel_err
+from .tiny_models import FAMILIES, assert_grads_close, batch, build, lockstep, pair, rel_err
 
 # Triton's CPU interpreter casts fp32 -> bf16 by truncation, not round-to-nearest (measured with
 # triton 3.9: half of the values differ from torch's cast, all toward zero), which doubles the
@@ -68,6 +68,30 @@ def test_training_matches_hf_bf16(family):
         with torch.no_grad():
             losses.append(model(**batch(seed=1)).loss)
     assert rel_err(losses[1], losses[0]) <= 1e-2
+
+
+@pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.slow)])
+def test_dropout_drops_what_hf_drops(attn):
+    """seed_oss drops attention probabilities and the attention and MLP outputs in training:
+    from the same random state, patched and unpatched models drop the same elements (the same
+    loss and gradients), and the dropout changes the loss."""
+    reference, patched = pair("seed_oss", dropout=True)
+    for model in (reference, patched):
+        model.set_attn_implementation(attn)
+    assert reference.config.attention_dropout > 0 and reference.config.residual_dropout > 0
+    mp.apply(patched)
+    inputs = batch()
+    losses = []
+    for model in (reference, patched):
+        torch.manual_seed(0)
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert rel_err(losses[1], losses[0]) <= 1e-5
+    assert_grads_close(reference, patched, 1e-5)
+    reference.eval()
+    with torch.no_grad():
+        assert rel_err(reference(**inputs).loss, losses[0]) > 1e-3
 
 
 @pytest.mark.parametrize(

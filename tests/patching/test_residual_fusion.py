@@ -18,7 +18,17 @@ from memplan.patching import engine, forwards
 
 from .tiny_models import batch, build, lockstep, pair, rel_err
 
-PRE_NORM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe")
+PRE_NORM_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "seed_oss",
+)
 
 
 @pytest.fixture

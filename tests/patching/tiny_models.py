@@ -36,14 +36,20 @@ def shrink(
     window: int = 8,
     experts: int = 4,
     moe_intermediate: int = 32,
+    dropout: bool = False,
     **overrides,
 ) -> dict:
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
-    sequences (so it matters), alternating sliding/full layers for Gemma 2/3, fewer experts."""
+    sequences (so it matters), alternating sliding/full layers for Gemma 2/3, fewer experts.
+    Without `dropout` the family's dropouts are off, so that two models of it compute the same
+    in training whatever random numbers each draws."""
     sizes = TINY if sizes is None else sizes
     config = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
     config.update(sizes)
+    if not dropout:
+        residual_key = _REGISTRY[config["model_type"]].config.residual_dropout_key
+        config.update({key: 0.0 for key in ("attention_dropout", residual_key) if key})
     for key, small in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if config.get(key) is not None:
             config[key] = small

@@ -38,7 +38,15 @@ VARIANTS = {
     "phi3": {"lora_rank": 16, "lora_targets": ("qkv_proj",)},
     "mixtral": {"grad_checkpointing": True},
     "qwen3_moe": {"optimizer": "sgd-momentum"},
+    # dropout's bool masks after o_proj and down_proj in bf16 under autocast
+    "seed_oss": {"precision": "amp-bf16"},
 }
+# More setups of families whose traits each changes (slow): seed_oss's dropout with LoRA on the
+# projections before it, and recomputed under checkpointing.
+EXTRA_VARIANTS = [
+    ("seed_oss", {"lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
+    ("seed_oss", {"grad_checkpointing": True}),
+]
 
 
 def small_spec(family: str):
@@ -47,6 +55,7 @@ def small_spec(family: str):
         SMALL,
         window=512,
         moe_intermediate=256,
+        dropout=True,
     )
     config.pop("mlp_only_layers", None)  # the analytic qwen3_moe has every layer sparse
     return spec_from_config(config, name=family)
@@ -70,6 +79,9 @@ def cases() -> list:
             reason = "materialized attention scores in backward (docs/traced.md)"
             marks = pytest.mark.xfail(strict=True, reason=reason)
         out.append(pytest.param(family, options, id=f"{family}-variant", marks=marks))
+    for index, (family, options) in enumerate(EXTRA_VARIANTS):
+        case_id = f"{family}-extra{index}"
+        out.append(pytest.param(family, options, id=case_id, marks=pytest.mark.slow))
     return out
 
 
