@@ -95,6 +95,8 @@ class ModelSpec(BaseModel):
     residual_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     sliding_window: int | None = Field(default=None, gt=0)
     layer_types: tuple[str, ...] | None = None
+    # Layers that apply no RoPE to q and k (SmolLM3's NoPE layers), by index.
+    nope_layers: tuple[int, ...] = ()
     # Mixture of experts (mixtral, qwen3_moe); 0 means dense.
     num_experts: int = Field(default=0, ge=0)
     num_experts_per_tok: int = Field(default=0, ge=0)
@@ -114,6 +116,8 @@ class ModelSpec(BaseModel):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
                 f"({self.num_experts})"
             )
+        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {self.nope_layers} name layers the model does not have")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for "

@@ -97,6 +97,9 @@ def test_known_values_of_a_few_checkpoints():
     seed = resolve_model("seed-oss-36b-instruct")
     assert seed.attention_bias and not seed.attention_out_bias and seed.head_dim == 128
     assert (seed.attention_dropout, seed.residual_dropout) == (0.1, 0.1)
+    smol = resolve_model("smollm3-3b")
+    assert smol.nope_layers == tuple(range(3, 36, 4)) and smol.tie_word_embeddings
+    assert smol.layer_types is None and not smol.use_cache
     phi = resolve_model("phi-3-mini")
     assert phi.fused_qkv and phi.fused_gate_up and phi.head_dim == 96
     gemma3 = resolve_model("gemma-3-1b")
@@ -279,6 +282,13 @@ LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"
          '"0.1"'),
         ({"model_type": "seed_oss", "attention_out_bias": None}, "attention_out_bias", BOOLEAN,
          "null"),
+        ({"model_type": "smollm3", "no_rope_layers": [1]}, "no_rope_layers",
+         "a list of at least 2 entries, each 0 or 1", "[1]"),
+        ({"model_type": "smollm3", "no_rope_layers": [1, 0.0]}, "no_rope_layers",
+         "a list of at least 2 entries, each 0 or 1", "[1, 0.0]"),
+        ({"model_type": "smollm3", "no_rope_layers": "1,0"}, "no_rope_layers", LIST, '"1,0"'),
+        ({"model_type": "smollm3", "no_rope_layer_interval": 0}, "no_rope_layer_interval",
+         POSITIVE_INT, "0"),
     ],
 )  # fmt: skip
 def test_bad_config_value_is_one_error_naming_the_key(overrides, key, must_be, got):
@@ -331,6 +341,16 @@ def test_a_long_bad_value_is_cut_short():
         ({"model_type": "seed_oss", "residual_dropout": 0, "attention_dropout": 0.25},
          {"residual_dropout": 0.0, "attention_dropout": 0.25}),
         ({"attention_dropout": 0.1, "residual_dropout": 0.5}, {"residual_dropout": 0.0}),
+        ({"model_type": "smollm3", "no_rope_layer_interval": 2}, {"nope_layers": (1,)}),
+        ({"model_type": "smollm3", "no_rope_layers": [0, 1, 1], "use_sliding_window": True,
+          **WINDOWED},
+         {"nope_layers": (0,), "layer_types": ("sliding_attention", "full_attention"),
+          "sliding_window": 64}),
+        ({"model_type": "smollm3", "no_rope_layers": [0, 1], **WINDOWED},
+         {"layer_types": None, "sliding_window": None}),
+        ({"model_type": "smollm3", "no_rope_layers": [True, False], **WINDOWED,
+          "layer_types": ["full_attention", "sliding_attention"]},
+         {"nope_layers": (1,), "layer_types": ("full_attention", "sliding_attention")}),
     ],
 )  # fmt: skip
 def test_valid_edge_values_are_read_as_transformers_reads_them(overrides, expected):

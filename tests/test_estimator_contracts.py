@@ -24,7 +24,11 @@ CASES = sorted(PROBE["saved"])
 
 # Families the H200 probe has not recorded: checked live on the CPU, at the probe's sizes with
 # these overrides (dropout as the family's config class has it).
-CPU_ONLY_FAMILIES: dict[str, dict] = {"seed_oss": {"head_dim": 64}}
+CPU_ONLY_FAMILIES: dict[str, dict] = {
+    "seed_oss": {"head_dim": 64},
+    # layer 1 without RoPE, and with a window shorter than the probe's sequence
+    "smollm3": {"no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 32},
+}
 
 
 def tiny_overrides(model_type: str) -> dict:
@@ -113,7 +117,7 @@ CPU_ONLY_CASES = [
 def test_unprobed_family_matches_autograd_on_cpu(case: str, saved_storage_bytes) -> None:
     """seed_oss on the CPU: its dropouts (at::dropout's noise, of the input's dtype, where CUDA's
     fused kernel keeps a bool mask; SDPA's math path, in fp32, where the CPU's fused kernel takes
-    no dropout) and its attention biases."""
+    no dropout) and its attention biases. smollm3: a layer without RoPE, windowed."""
     model_type, precision, attn = case.split("/")
     measured = saved_bytes_live(saved_storage_bytes, model_type, precision, attn)
     assert predicted(model_type, precision, attn, "cpu", INSTALLED) == measured
@@ -148,6 +152,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         # flows through it (o_proj adapted, q/k/v frozen in the first layer)
         ("seed_oss", ("o_proj", "down_proj"), "bf16", "eager"),
         pytest.param("seed_oss", ("v_proj",), "fp32", "sdpa", marks=pytest.mark.slow),
+        pytest.param("smollm3", ("k_proj",), "fp32", "eager", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -188,8 +193,12 @@ def test_lora_matches_autograd_on_cpu(
                 ("phi3", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
                 ("mixtral", ("rms_norm", "rope", "flce"), "bf16", ()),
                 ("seed_oss", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
+                ("smollm3", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
             ]
         ),
+        # memplan's RoPE gives k a gradient with q's in layer 0, but not in smollm3's layer 1,
+        # which applies no RoPE
+        pytest.param("smollm3", ("rope",), "bf16", ("q_proj",), marks=pytest.mark.slow),
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
         # first layer keeps q and k, unlike HF's RoPE (test_lora_matches_autograd_on_cpu).
         ("llama", ("rope",), "bf16", ("q_proj",)),
@@ -329,6 +338,8 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
                 ("llama", "amp-bf16", {"kernels": ("rope",)}),
                 # the CPU's math path (attention dropout) saves fp32 copies of k and v
                 ("seed_oss", "bf16", {}),
+                # a layer without RoPE keeps k in bf16 under autocast: SDPA saves the cache's k
+                ("smollm3", "amp-bf16", {}),
             ]
         ),
     ],
@@ -376,8 +387,13 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     ):
         cache = model(input_ids=ids, labels=ids).past_key_values
     layers = [] if cache is None else cache.layers
-    tensors = [t for layer in layers for t in (layer.keys, layer.values)]
-    measured = sum(t.nbytes for t in tensors if t.untyped_storage().data_ptr() not in saved)
+    # a sliding layer's entries are views of the last window positions of full-length tensors
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for layer in layers
+        for t in (layer.keys, layer.values)
+    }
+    measured = sum(n for pointer, n in storages.items() if pointer not in saved)
     spec = spec_from_config(probe_config(model_type))
     (_, walk), _ = walk_run(spec, setup, step_sizes(spec, setup, None, "cpu"))
     assert measured == max(snapshot.get("kv_cache", 0) for snapshot in walk.snapshots)

@@ -80,7 +80,8 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         )
 
     attention_bias, attention_out_bias = _attention_biases(rules, cfg)
-    sliding_window, layer_types = _attention_windows(rules, cfg, layers)
+    nope_layers = _nope_layers(rules, cfg, layers)
+    sliding_window, layer_types = _attention_windows(rules, cfg, layers, nope_layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
 
     fields = {
@@ -115,6 +116,7 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         else 0.0,
         "sliding_window": sliding_window,
         "layer_types": layer_types,
+        "nope_layers": nope_layers,
         "num_experts": num_experts,
         "num_experts_per_tok": experts_per_tok,
         "moe_intermediate_size": moe_intermediate,
@@ -252,8 +254,26 @@ def _attention_biases(rules: ConfigRules, cfg: dict[str, Any]) -> tuple[bool, bo
     return bias, bias
 
 
+def _nope_layers(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """The layers that apply no RoPE: the 0 entries of no_rope_layers (one per layer at least),
+    else every no_rope_layer_interval-th layer, as SmolLM3Config derives them."""
+    if not rules.nope_layers:
+        return ()
+    if cfg.get("no_rope_layers") is None:
+        interval = _positive_int(cfg, "no_rope_layer_interval")
+        return tuple(i for i in range(layers) if (i + 1) % interval == 0)
+    flags = _optional_list(cfg, "no_rope_layers")
+    if len(flags) < layers or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise _bad_value(
+            "no_rope_layers",
+            cfg["no_rope_layers"],
+            f"a list of at least {layers} entries, each 0 or 1",
+        )
+    return tuple(i for i in range(layers) if not flags[i])
+
+
 def _attention_windows(
-    rules: ConfigRules, cfg: dict[str, Any], layers: int
+    rules: ConfigRules, cfg: dict[str, Any], layers: int, nope_layers: tuple[int, ...] = ()
 ) -> tuple[int | None, tuple[str, ...] | None]:
     """The sliding window and, when any layer uses it, every layer's attention type."""
     rule = rules.windowed_layers
@@ -280,6 +300,12 @@ def _attention_windows(
         assert pattern is not None  # ConfigRules requires one with this rule
         types = tuple(
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        )
+    elif rule == "nope_if_enabled":
+        if not _boolean(cfg, "use_sliding_window"):
+            return None, None
+        types = tuple(
+            "sliding_attention" if i in nope_layers else "full_attention" for i in range(layers)
         )
     elif rule == "from_max_window_layers":
         first = _non_negative_int(cfg, "max_window_layers")

@@ -108,6 +108,17 @@ class LayerContext:
 
     sliding: bool  # this layer attends through a sliding window
     under_autocast: bool  # inside torch.autocast, whatever the weights' dtype
+    rope: bool = True  # this layer rotates q and k (not one of SmolLM3's NoPE layers)
+
+    @property
+    def rope_kernel(self) -> bool:
+        """memplan's RoPE kernel rotates this layer's q and k."""
+        return self.rope and "rope" in self.kernels
+
+    @property
+    def hf_rope(self) -> bool:
+        """transformers' RoPE rotates this layer's q and k (in the dtype of cos and sin)."""
+        return self.rope and "rope" not in self.kernels
 
     @property
     def seq(self) -> int:
@@ -172,7 +183,7 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
-    if "rope" in ctx.kernels:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
+    if ctx.rope_kernel:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
         out.add("attn.rope", kc.rope_saved_bytes(1, (nh + kv) * hd, p))
     masked = attention_masked(ctx)
     path = attention_path(ctx)
@@ -226,7 +237,7 @@ def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
     if ctx.needs_input_grad:
         return True, True, True
     q, k, v = (ctx.adapted(name, "qkv_proj") for name in ("q_proj", "k_proj", "v_proj"))
-    if "rope" in ctx.kernels:
+    if ctx.rope_kernel:
         q = k = q or k
     return q, k, v
 
@@ -296,9 +307,7 @@ def repeat_is_view(ctx: LayerContext) -> bool:
     """With one KV head HF's repeat_kv makes a view, and the memory-efficient kernel saves k
     and v as they are, unless autocast casts them to a full-size copy (HF's RoPE leaves k in
     fp32 under autocast): CPU and H200 probes, gemma3 with kv = 1."""
-    return ctx.spec.num_key_value_heads == 1 and not (
-        ctx.dtypes.autocast and "rope" not in ctx.kernels
-    )
+    return ctx.spec.num_key_value_heads == 1 and not (ctx.dtypes.autocast and ctx.hf_rope)
 
 
 def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -> tuple[bool, bool]:

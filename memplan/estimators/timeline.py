@@ -104,6 +104,7 @@ def layer_contexts(
             needs_input_grad=not (lora and index == 0),
             sliding=index < len(layer_types) and layer_types[index] == "sliding_attention",
             under_autocast=dtypes.autocast if under_autocast is None else under_autocast,
+            rope=index not in spec.nope_layers,
         )
         for index in range(spec.num_hidden_layers)
     ]
@@ -160,9 +161,9 @@ def forward_saved(
     blocks = round_block if rounded else int
     lora = bool(setup.lora_rank)
     contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
-    by_kind: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}  # layers differ in these
+    by_kind: dict[tuple[bool, bool, bool], tuple[list[int], list[int]]] = {}  # layers differ so
     for ctx in contexts:
-        kind = (ctx.sliding, ctx.needs_input_grad)
+        kind = layer_kind(ctx)
         if kind not in by_kind:
             saved = layer_saved(ctx)
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
@@ -181,17 +182,25 @@ def forward_saved(
         gemma_norms(spec),
     )
     rope_dtype = FP32 if dtypes.autocast else dtypes.residual
-    shared = 2 * blocks(setup.seq * spec.head_dim * rope_dtype)
+    # cos and sin, saved by every layer's rotation that reads them (none without RoPE anywhere)
+    rotated = any(ctx.rope for ctx in contexts)
+    shared = 2 * blocks(setup.seq * spec.head_dim * rope_dtype) if rotated else 0
     embedding = 0 if lora else blocks(tokens * INT64)
     if gemma_norms(spec) and not lora:
         embedding += blocks(dtypes.residual)  # the sqrt(hidden) normalizer, a 0-d tensor
     return ForwardSaved(
-        layer_entries=[by_kind[(ctx.sliding, ctx.needs_input_grad)] for ctx in contexts],
+        layer_entries=[by_kind[layer_kind(ctx)] for ctx in contexts],
         final_norm=blocks(final.bytes(tokens)),
         embedding=embedding,
         shared=shared,
         loss=blocks(loss_saved_bytes(spec, setup, dtypes)),
     )
+
+
+def layer_kind(ctx: LayerContext) -> tuple[bool, bool, bool]:
+    """What makes layers save different tensors: a sliding window, an input that needs no
+    gradient (the first layer under LoRA), RoPE applied or not."""
+    return ctx.sliding, ctx.needs_input_grad, ctx.rope
 
 
 def loss_saved_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> int:
@@ -453,20 +462,22 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     )
 
 
-def kv_cache_dtypes(setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
-    """Bytes per element of the KV cache's keys and values. k after HF's RoPE takes the dtype of
-    cos/sin, the residual's (fp32 under autocast; memplan's RoPE keeps k's); the values take the
-    keys' dtype before transformers 5.24 (the cache was made from the keys' dtype), their own
-    (the projection's) after."""
-    key = dtypes.proj if "rope" in setup.kernels else dtypes.residual
+def kv_cache_dtypes(setup: TrainSetup, dtypes: DtypePlan, hf_rope: bool = True) -> tuple[int, int]:
+    """Bytes per element of a layer's KV cache keys and values. k after HF's RoPE (`hf_rope`)
+    takes the dtype of cos/sin, the residual's (fp32 under autocast; memplan's RoPE, and a layer
+    without RoPE, keep k's); the values take the keys' dtype before transformers 5.24 (the
+    cache was made from the keys' dtype), their own (the projection's) after."""
+    key = dtypes.residual if hf_rope else dtypes.proj
     value = key if Release.of(setup.transformers).kv_values_in_key_dtype else dtypes.proj
     return key, value
 
 
-def kv_cache_tensors(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
+def kv_cache_tensors(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, hf_rope: bool = True
+) -> tuple[int, int]:
     """The bytes of one layer's KV cache entries, keys then values (kv_cache_dtypes)."""
     elements = setup.batch * setup.seq * spec.num_key_value_heads * spec.head_dim
-    key, value = kv_cache_dtypes(setup, dtypes)
+    key, value = kv_cache_dtypes(setup, dtypes, hf_rope)
     return round_block(elements * key), round_block(elements * value)
 
 
@@ -475,12 +486,11 @@ def kv_cache_added(
 ) -> list[list[int]]:
     """Per layer, the cache tensors that are not also attention's saved inputs: what the cache
     adds to the forward's memory (contracts.kv_cache_shares_saved)."""
-    key, value = kv_cache_tensors(spec, setup, dtypes)
-    key_dtype, value_dtype = kv_cache_dtypes(setup, dtypes)
     added = []
     for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
-        shared = kv_cache_shares_saved(ctx, key_dtype, value_dtype)
-        added.append([n for n, kept in zip((key, value), shared, strict=True) if not kept])
+        tensors = kv_cache_tensors(spec, setup, dtypes, ctx.hf_rope)
+        shared = kv_cache_shares_saved(ctx, *kv_cache_dtypes(setup, dtypes, ctx.hf_rope))
+        added.append([n for n, kept in zip(tensors, shared, strict=True) if not kept])
     return added
 
 

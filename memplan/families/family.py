@@ -35,10 +35,14 @@ class ConfigRules:
 
     attention_bias: "config" (q/k/v/o follow attention_bias), "never", "qkv" (q/k/v always,
         o never) or "out_key" (q/k/v follow attention_bias, o attention_out_bias).
+    nope_layers: some layers apply no RoPE: those no_rope_layers marks 0, else every
+        no_rope_layer_interval-th layer (SmolLM3).
     residual_dropout_key: the config key of the dropout on the attention and MLP outputs before
         their residual adds (None: the family has none). windowed_layers: which layers slide
         when a window is given: "all", "all_if_enabled" (use_sliding_window),
-        "from_max_window_layers", or "pattern" (every sliding_window_pattern-th layer is full).
+        "from_max_window_layers", "pattern" (every sliding_window_pattern-th layer is full), or
+        "nope_if_enabled" (the layers without RoPE, with use_sliding_window); layer_types, where
+        the config gives them, say it for every rule.
         fused: one qkv_proj and one gate_up_proj."""
 
     defaults: dict[str, Any]
@@ -46,7 +50,10 @@ class ConfigRules:
     attention_bias: Literal["config", "never", "qkv", "out_key"] = "config"
     residual_dropout_key: str | None = None
     mlp_bias: bool = False  # whether the config's mlp_bias is read (otherwise no MLP bias)
-    windowed_layers: Literal["all", "all_if_enabled", "from_max_window_layers", "pattern"] = "all"
+    nope_layers: bool = False
+    windowed_layers: Literal[
+        "all", "all_if_enabled", "from_max_window_layers", "pattern", "nope_if_enabled"
+    ] = "all"
     sliding_window_pattern: int | None = None
     qk_norm: bool = False
     sandwich_norm: bool = False  # norms after attention and MLP as well as before
@@ -56,6 +63,8 @@ class ConfigRules:
     def __post_init__(self) -> None:
         if self.windowed_layers == "pattern" and self.sliding_window_pattern is None:
             raise ValueError("windowed_layers='pattern' needs a sliding_window_pattern")
+        if self.windowed_layers == "nope_if_enabled" and not self.nope_layers:
+            raise ValueError("windowed_layers='nope_if_enabled' needs nope_layers")
 
 
 @dataclass(frozen=True)

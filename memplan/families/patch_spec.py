@@ -40,7 +40,9 @@ class AttentionSpec:
     softcap_attr: module attribute holding the attention-logit softcap (Gemma 2), passed as
         `softcap=`.
     output_dropout_attr: module attribute holding the dropout probability applied to o_proj's
-        output in training (seed_oss's residual_dropout)."""
+        output in training (seed_oss's residual_dropout).
+    rope_flag_attr: module attribute saying whether the layer rotates q and k at all (SmolLM3's
+        use_rope, false in its NoPE layers); None: every layer does."""
 
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
@@ -48,6 +50,7 @@ class AttentionSpec:
     sliding_window: Literal["module", "config"] | None = None
     softcap_attr: str | None = None
     output_dropout_attr: str | None = None
+    rope_flag_attr: str | None = None
 
 
 @dataclass(frozen=True)

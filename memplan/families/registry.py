@@ -365,5 +365,38 @@ FAMILIES: dict[str, Family] = {
             ),
             tiny_from="seed-oss-36b-instruct",
         ),
+        Family(
+            model_type="smollm3",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 128256,
+                    "hidden_size": 2048,
+                    "intermediate_size": 11008,
+                    "num_hidden_layers": 36,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 4,
+                    "max_position_embeddings": 32768,
+                    "tie_word_embeddings": True,
+                    "use_sliding_window": False,
+                    "no_rope_layer_interval": 4,
+                },
+                mlp_bias=True,
+                nope_layers=True,
+                windowed_layers="nope_if_enabled",
+            ),
+            patch=PatchSpec(
+                model_type="smollm3",
+                norm=NormSpec(classes=("SmolLM3RMSNorm",)),
+                attention=AttentionSpec(
+                    classes=("SmolLM3Attention",),
+                    sliding_window="module",
+                    rope_flag_attr="use_rope",
+                ),
+                mlp=MlpSpec(classes=("SmolLM3MLP",)),
+                causal_lm=CausalLMSpec(classes=("SmolLM3ForCausalLM",)),
+                decoder_layer=DecoderLayerSpec(classes=("SmolLM3DecoderLayer",)),
+            ),
+            tiny_from="smollm3-3b",
+        ),
     )
 }

@@ -298,6 +298,7 @@ def attention_forward(
     """One attention forward for every family: project, (qk-norm), RoPE kernel, cache update,
     then transformers' attention interface chosen by config._attn_implementation."""
     dropout_attr = spec.output_dropout_attr
+    rope_flag_attr = spec.rope_flag_attr
 
     def forward(
         self: nn.Module,
@@ -336,10 +337,12 @@ def attention_forward(
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
 
-        cos, sin = position_embeddings
-        # q and k are fresh projection (or qk-norm) outputs that nothing saved: rotated in
-        # place, except as slices of a fused qkv output, which attention would then keep whole.
-        query, key = _rotate(rope, query, key, cos, sin, in_place=spec.qkv != "fused")
+        if rope_flag_attr is None or getattr(self, rope_flag_attr):
+            cos, sin = position_embeddings
+            # q and k are fresh projection (or qk-norm) outputs that nothing saved: rotated in
+            # place, except as slices of a fused qkv output, which attention would then keep
+            # whole.
+            query, key = _rotate(rope, query, key, cos, sin, in_place=spec.qkv != "fused")
 
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)

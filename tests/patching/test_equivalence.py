@@ -94,6 +94,26 @@ def test_dropout_drops_what_hf_drops(attn):
         assert rel_err(reference(**inputs).loss, losses[0]) > 1e-3
 
 
+def test_layers_without_rope_are_not_rotated(monkeypatch):
+    """smollm3's layers without RoPE (use_rope 0) attend with q and k as projected: patched, the
+    RoPE kernel runs in the other layers only and the model trains as HF's does."""
+    import memplan.kernels.rope as rope_module
+
+    calls = []
+    rope = rope_module.rope
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return rope(*args, **kwargs)
+
+    monkeypatch.setattr(rope_module, "rope", counting)
+    reference, patched = pair("smollm3")
+    assert [layer.self_attn.use_rope for layer in reference.model.layers] == [1, 0]
+    assert "rope" in mp.apply(patched).kernels
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize(
     "family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma2", "phi3"))]
 )

@@ -28,6 +28,7 @@ PRE_NORM_FAMILIES = (
     "mixtral",
     "qwen3_moe",
     "seed_oss",
+    "smollm3",
 )
 
 

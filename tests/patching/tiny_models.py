@@ -41,7 +41,8 @@ def shrink(
 ) -> dict:
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
-    sequences (so it matters), alternating sliding/full layers for Gemma 2/3, fewer experts.
+    sequences (so it matters), alternating sliding/full layers for Gemma 2/3 and layers with and
+    without RoPE for SmolLM3, fewer experts.
     Without `dropout` the family's dropouts are off, so that two models of it compute the same
     in training whatever random numbers each draws."""
     sizes = TINY if sizes is None else sizes
@@ -60,6 +61,11 @@ def shrink(
     if config["model_type"] in ("gemma2", "gemma3_text"):
         kinds = ("sliding_attention", "full_attention")
         config["layer_types"] = [kinds[i % 2] for i in range(config["num_hidden_layers"])]
+    if "no_rope_layers" in config:  # smollm3: RoPE in even layers only; its config derives
+        # the layer types from these
+        layers = overrides.get("num_hidden_layers", config["num_hidden_layers"])
+        config["no_rope_layers"] = [int(i % 2 == 0) for i in range(layers)]
+        config.pop("layer_types", None)
     if "num_local_experts" in config:  # mixtral
         config["num_local_experts"] = experts
     if "num_experts" in config:  # qwen3_moe; its last layer dense, so that MLP takes the GLU

@@ -40,22 +40,32 @@ VARIANTS = {
     "qwen3_moe": {"optimizer": "sgd-momentum"},
     # dropout's bool masks after o_proj and down_proj in bf16 under autocast
     "seed_oss": {"precision": "amp-bf16"},
+    # layers without RoPE keep q and k in bf16 under autocast
+    "smollm3": {"precision": "amp-bf16"},
 }
-# More setups of families whose traits each changes (slow): seed_oss's dropout with LoRA on the
-# projections before it, and recomputed under checkpointing.
+# More setups (slow) of families whose traits they change, with config overrides: seed_oss's
+# dropout with LoRA on the projections before it, and recomputed under checkpointing;
+# smollm3's windows on its layers without RoPE, and their KV cache (k in bf16 there).
 EXTRA_VARIANTS = [
-    ("seed_oss", {"lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
-    ("seed_oss", {"grad_checkpointing": True}),
+    ("seed_oss", {}, {"lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
+    ("seed_oss", {}, {"grad_checkpointing": True}),
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 512, "use_cache": True}, {}),
+    (
+        "smollm3",
+        {"use_sliding_window": True, "sliding_window": 512, "use_cache": True},
+        {"precision": "amp-bf16"},
+    ),
 ]
 
 
-def small_spec(family: str):
+def small_spec(family: str, **overrides):
     config = tiny_models.shrink(
         tiny_models.catalog_config(tiny_models.FAMILIES[family]),
         SMALL,
         window=512,
         moe_intermediate=256,
         dropout=True,
+        **overrides,
     )
     config.pop("mlp_only_layers", None)  # the analytic qwen3_moe has every layer sparse
     return spec_from_config(config, name=family)
@@ -72,22 +82,23 @@ if Release.of(installed_versions()["transformers"]).refuses_sdpa("gemma2"):
 
 
 def cases() -> list:
-    out = [pytest.param(f, {}, id=f) for f in tiny_models.FAMILIES]
+    out = [pytest.param(f, {}, {}, id=f) for f in tiny_models.FAMILIES]
     for family, options in VARIANTS.items():
         marks = ()
         if family in KNOWN_GAPS:
             reason = "materialized attention scores in backward (docs/traced.md)"
             marks = pytest.mark.xfail(strict=True, reason=reason)
-        out.append(pytest.param(family, options, id=f"{family}-variant", marks=marks))
-    for index, (family, options) in enumerate(EXTRA_VARIANTS):
+        out.append(pytest.param(family, {}, options, id=f"{family}-variant", marks=marks))
+    for index, (family, overrides, options) in enumerate(EXTRA_VARIANTS):
         case_id = f"{family}-extra{index}"
-        out.append(pytest.param(family, options, id=case_id, marks=pytest.mark.slow))
+        out.append(pytest.param(family, overrides, options, id=case_id, marks=pytest.mark.slow))
     return out
 
 
-@pytest.mark.parametrize("family,options", cases())
-def test_contracts_agree_with_the_traced_step(family: str, options: dict) -> None:
-    result = compare(small_spec(family), TrainSetup(batch=4, seq=1024, **options))
+@pytest.mark.parametrize("family,overrides,options", cases())
+def test_contracts_agree_with_the_traced_step(family: str, overrides: dict, options: dict) -> None:
+    spec = small_spec(family, **overrides)
+    result = compare(spec, TrainSetup(batch=4, seq=1024, **options))
     fixed = ("weights", "gradients", "optimizer_states", "cublas_workspace", "inputs")
     breakdown = result.traced.estimate.breakdown
     per_token = sum(v for k, v in breakdown.items() if k not in fixed)
