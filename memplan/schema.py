@@ -97,6 +97,11 @@ class ModelSpec(BaseModel):
     layer_types: tuple[str, ...] | None = None
     # Layers that apply no RoPE to q and k (SmolLM3's NoPE layers), by index.
     nope_layers: tuple[int, ...] = ()
+    # Granite's multipliers: of the embedding, of each attention and MLP output before its
+    # residual add, and the divisor of the logits; None where the family has none.
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = Field(default=None, gt=0)
     # Mixture of experts (mixtral, qwen3_moe); 0 means dense.
     num_experts: int = Field(default=0, ge=0)
     num_experts_per_tok: int = Field(default=0, ge=0)

@@ -100,6 +100,9 @@ def test_known_values_of_a_few_checkpoints():
     smol = resolve_model("smollm3-3b")
     assert smol.nope_layers == tuple(range(3, 36, 4)) and smol.tie_word_embeddings
     assert smol.layer_types is None and not smol.use_cache
+    granite = resolve_model("granite-3.3-8b-instruct")
+    assert (granite.embedding_multiplier, granite.residual_multiplier) == (12.0, 0.22)
+    assert granite.logits_scaling == 16.0 and granite.tie_word_embeddings
     phi = resolve_model("phi-3-mini")
     assert phi.fused_qkv and phi.fused_gate_up and phi.head_dim == 96
     gemma3 = resolve_model("gemma-3-1b")
@@ -289,6 +292,12 @@ LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"
         ({"model_type": "smollm3", "no_rope_layers": "1,0"}, "no_rope_layers", LIST, '"1,0"'),
         ({"model_type": "smollm3", "no_rope_layer_interval": 0}, "no_rope_layer_interval",
          POSITIVE_INT, "0"),
+        ({"model_type": "granite", "logits_scaling": 0}, "logits_scaling", "a positive number",
+         "0"),
+        ({"model_type": "granite", "residual_multiplier": "0.22"}, "residual_multiplier",
+         "a finite number", '"0.22"'),
+        ({"model_type": "granite", "embedding_multiplier": float("nan")}, "embedding_multiplier",
+         "a finite number", "NaN"),
     ],
 )  # fmt: skip
 def test_bad_config_value_is_one_error_naming_the_key(overrides, key, must_be, got):
@@ -351,6 +360,11 @@ def test_a_long_bad_value_is_cut_short():
         ({"model_type": "smollm3", "no_rope_layers": [True, False], **WINDOWED,
           "layer_types": ["full_attention", "sliding_attention"]},
          {"nope_layers": (1,), "layer_types": ("full_attention", "sliding_attention")}),
+        ({"model_type": "granite"},
+         {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}),
+        ({"model_type": "granite", "logits_scaling": 8},
+         {"logits_scaling": 8.0, "embedding_multiplier": 1.0}),
+        ({"logits_scaling": 8.0}, {"logits_scaling": None}),
     ],
 )  # fmt: skip
 def test_valid_edge_values_are_read_as_transformers_reads_them(overrides, expected):

@@ -117,6 +117,7 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "sliding_window": sliding_window,
         "layer_types": layer_types,
         "nope_layers": nope_layers,
+        **_multipliers(rules, cfg),
         "num_experts": num_experts,
         "num_experts_per_tok": experts_per_tok,
         "moe_intermediate_size": moe_intermediate,
@@ -208,6 +209,20 @@ def _optional_positive_float(cfg: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
+def _number(cfg: dict[str, Any], key: str) -> float:
+    value = cfg.get(key)
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise _bad_value(key, value, "a finite number")
+    return float(value)
+
+
+def _positive_number(cfg: dict[str, Any], key: str) -> float:
+    value = _number(cfg, key)
+    if value <= 0:
+        raise _bad_value(key, cfg[key], "a positive number")
+    return value
+
+
 def _probability(cfg: dict[str, Any], key: str) -> float:
     value = cfg.get(key)
     if not (_is_int(value) or isinstance(value, float)) or not 0 <= value < 1:
@@ -252,6 +267,18 @@ def _attention_biases(rules: ConfigRules, cfg: dict[str, Any]) -> tuple[bool, bo
         return _boolean(cfg, "attention_bias"), _boolean(cfg, "attention_out_bias")
     bias = _boolean(cfg, "attention_bias")
     return bias, bias
+
+
+def _multipliers(rules: ConfigRules, cfg: dict[str, Any]) -> dict[str, float | None]:
+    """Granite's embedding and residual multipliers and its logits divisor, or none."""
+    keys = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+    if not rules.multipliers:
+        return dict.fromkeys(keys)
+    return {
+        "embedding_multiplier": _number(cfg, "embedding_multiplier"),
+        "residual_multiplier": _number(cfg, "residual_multiplier"),
+        "logits_scaling": _positive_number(cfg, "logits_scaling"),
+    }
 
 
 def _nope_layers(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[int, ...]:

@@ -652,12 +652,19 @@ def walk_step(
     autocast_cache = builder.alloc("autocast_cache", sizes.autocast_cache if ckpt else 0)
 
     hf_loss = "flce" not in kernels and "cross_entropy" not in kernels
+    # memplan's loss divides the hidden states by Granite's logits_scaling (HF: the logits)
+    hidden_scaled = not hf_loss and spec.logits_scaling not in (None, 1.0)
     # transformers builds a KV cache in training too, unless checkpointing turns it off or
     # memplan's causal-LM forward (patched with a loss kernel) does: every layer's k and v, held
     # by the model output until forward returns; memory of its own where attention saves others.
     cached = hf_loss and not ckpt and spec.use_cache
     layout.forward_enter(builder, "tail" if tied else "embedding")
     forward_kept = builder.alloc_all("activations", (saved.shared, saved.embedding))
+    # peft's leaf under checkpointed LoRA is the embedding's output; where the model multiplies
+    # that output, the leaf is a tensor of its own beside layer 0's input, from here on.
+    leaf = None
+    if ckpt and lora and spec.embedding_multiplier is not None:
+        leaf = builder.alloc("embedding_leaf", sizes.residual)
     if not tied:
         layout.forward_exit(builder, "embedding")
     kv_cache: list[int] = []
@@ -680,24 +687,37 @@ def walk_step(
 
     upcast = sizes.logits_fp32 if sizes.logits_p < sizes.logits_fp32 else 0
     # The final norm's output, the loss's input, is alive until forward returns; it counts here
-    # where nothing saved it: FLCE, a frozen lm_head (LoRA), or autocast (lm_head saves a copy).
-    unsaved = "flce" in kernels or lora or DtypePlan.of(computed_setup(setup).precision).autocast
+    # where nothing saved it: FLCE, a frozen lm_head (LoRA), autocast (lm_head saves a copy), or
+    # memplan's loss dividing it by logits_scaling (lm_head saves the quotient).
+    autocast = DtypePlan.of(computed_setup(setup).precision).autocast
+    unsaved = "flce" in kernels or lora or autocast or hidden_scaled
     norm_out = builder.alloc("activations", sizes.residual if unsaved else 0)
+    # The divided hidden states, alive through the loss kernel; where lm_head keeps them (it
+    # trains, without autocast) the final norm's saved output counts them.
+    kept_by_lm_head = "cross_entropy" in kernels and not lora and not autocast
+    scaled_bytes = sizes.residual if hidden_scaled and not kept_by_lm_head else 0
     if "flce" in kernels:
         builder.at("loss", "fused linear cross entropy")
+        scaled = builder.alloc("logits_and_loss", scaled_bytes)
         copies = builder.alloc_all("logits_and_loss", sizes.flce_autocast_copies)
         loss_saved = play_flce(builder, sizes.flce_steps)
         builder.free_all(copies)
+        builder.free(scaled)
     elif "cross_entropy" in kernels:
         builder.at("loss", "logits + cross-entropy kernel")
+        scaled = builder.alloc("logits_and_loss", scaled_bytes)
         loss_saved = builder.alloc_all("logits_and_loss", sizes.loss_entries)
         builder.mark("loss", "logits + cross-entropy kernel")
+        builder.free(scaled)
     else:
         # lm_head output (held by the model output until forward returns), its fp32 upcast,
         # then log_softmax's output and the shifted targets (saved.loss); the upcast is freed
         # once log_softmax has run.
         builder.at("loss", "logits, fp32 upcast, log_softmax")
         logits = builder.alloc("logits_and_loss", sizes.logits_p)
+        if spec.logits_scaling is not None:
+            # logits / logits_scaling: lm_head's output is freed once the quotient is made
+            builder.mark("loss", "logits / logits_scaling", [sizes.logits_p], "logits_and_loss")
         upcast_tensor = builder.alloc("logits_and_loss", upcast)
         loss_saved = builder.alloc_all("logits_and_loss", sizes.loss_entries)
         builder.mark("loss", "logits, fp32 upcast, log_softmax")
@@ -737,6 +757,8 @@ def walk_step(
             builder.mark(
                 "backward", "softcap backward", [sizes.logits_p, sizes.logits_p], "logits_and_loss"
             )
+        if spec.logits_scaling is not None:
+            builder.mark("backward", "logits_scaling backward", [sizes.logits_p], "logits_and_loss")
         loss_saved = [logits_grad]
     if "flce" not in kernels:  # the pre-backward hook on lm_head's output, the logits
         layout.backward_enter(builder, "tail")
@@ -759,6 +781,8 @@ def walk_step(
         grad_hidden = builder.alloc("transient", sizes.grad_hidden)
         builder.mark("backward", "lm_head backward")
         builder.free_all(loss_saved)
+    if hidden_scaled:  # the gradient divided by logits_scaling, a new tensor beside the first
+        builder.mark("backward", "logits_scaling backward", [sizes.residual])
     builder.free(final_norm)
     if layout.owns_gradients():
         keep_gradients("tail", "final_norm")
@@ -800,7 +824,8 @@ def walk_step(
     if ckpt and lora:
         # peft makes the frozen embedding's output a leaf that requires grad: the step's graph
         # keeps it and, after backward, its gradient, until the next step's forward returns.
-        run.embedding_leaf += builder.alloc_all("embedding_leaf", [sizes.residual] * 2)
+        kept = [leaf] if leaf is not None else builder.alloc_all("embedding_leaf", [sizes.residual])
+        run.embedding_leaf += kept + builder.alloc_all("embedding_leaf", [sizes.residual])
     if not lora:
         builder.at("backward", "embedding backward")
         if not tied:

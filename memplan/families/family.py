@@ -37,6 +37,8 @@ class ConfigRules:
         o never) or "out_key" (q/k/v follow attention_bias, o attention_out_bias).
     nope_layers: some layers apply no RoPE: those no_rope_layers marks 0, else every
         no_rope_layer_interval-th layer (SmolLM3).
+    multipliers: the model multiplies the embedding by embedding_multiplier and each branch
+        output by residual_multiplier, and divides the logits by logits_scaling (Granite).
     residual_dropout_key: the config key of the dropout on the attention and MLP outputs before
         their residual adds (None: the family has none). windowed_layers: which layers slide
         when a window is given: "all", "all_if_enabled" (use_sliding_window),
@@ -51,6 +53,7 @@ class ConfigRules:
     residual_dropout_key: str | None = None
     mlp_bias: bool = False  # whether the config's mlp_bias is read (otherwise no MLP bias)
     nope_layers: bool = False
+    multipliers: bool = False
     windowed_layers: Literal[
         "all", "all_if_enabled", "from_max_window_layers", "pattern", "nope_if_enabled"
     ] = "all"

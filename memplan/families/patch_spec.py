@@ -73,12 +73,17 @@ class CausalLMSpec:
     cross-entropy kernel).
 
     final_logit_softcapping: the family caps the logits with config.final_logit_softcapping.
-    moe_aux_loss: the family adds router_aux_loss_coef x the load-balancing loss (MoE)."""
+    moe_aux_loss: the family adds router_aux_loss_coef x the load-balancing loss (MoE).
+    logits_scaling: the family divides the logits by config.logits_scaling (Granite); the
+        patched loss divides the last hidden states instead, before lm_head (one hidden-sized
+        tensor rather than a logits-sized one; the same values where the divisor is a power of
+        two)."""
 
     classes: tuple[str, ...]
     base_model_attr: str = "model"
     final_logit_softcapping: bool = False
     moe_aux_loss: bool = False
+    logits_scaling: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,11 +104,14 @@ class DecoderLayerSpec:
     view, so their gradients are summed in the norm's backward instead of by autograd.
 
     branch_dropouts: dropout modules on the attention and MLP outputs before their adds (phi3).
-    final_norm_attr: the base model's norm after the last layer."""
+    final_norm_attr: the base model's norm after the last layer.
+    residual_multiplier_attr: the layer attribute both branch outputs are multiplied by before
+        their adds (Granite's residual_multiplier)."""
 
     classes: tuple[str, ...]
     branch_dropouts: tuple[str, str] | None = None
     final_norm_attr: str = "norm"
+    residual_multiplier_attr: str | None = None
 
 
 @dataclass(frozen=True)

@@ -398,5 +398,35 @@ FAMILIES: dict[str, Family] = {
             ),
             tiny_from="smollm3-3b",
         ),
+        Family(
+            model_type="granite",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 32000,
+                    "hidden_size": 4096,
+                    "intermediate_size": 11008,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "max_position_embeddings": 2048,
+                    "embedding_multiplier": 1.0,
+                    "residual_multiplier": 1.0,
+                    "logits_scaling": 1.0,
+                },
+                mlp_bias=True,
+                multipliers=True,
+            ),
+            patch=PatchSpec(
+                model_type="granite",
+                norm=NormSpec(classes=("GraniteRMSNorm",)),
+                # attention_multiplier is the module's own scaling, passed on as it is
+                attention=AttentionSpec(classes=("GraniteAttention",)),
+                mlp=MlpSpec(classes=("GraniteMLP",)),
+                causal_lm=CausalLMSpec(classes=("GraniteForCausalLM",), logits_scaling=True),
+                decoder_layer=DecoderLayerSpec(
+                    classes=("GraniteDecoderLayer",), residual_multiplier_attr="residual_multiplier"
+                ),
+            ),
+            tiny_from="granite-3.3-8b-instruct",
+        ),
     )
 }

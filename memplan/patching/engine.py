@@ -535,6 +535,8 @@ def _plan_targets(
                 if spec.causal_lm.moe_aux_loss:
                     _require(module, ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))
                     forwards.family_function(module, "load_balancing_loss_func")
+                if spec.causal_lm.logits_scaling:
+                    _require(module.config, ("logits_scaling",))
                 kernels = forwards.LossKernels(
                     flce=functions.get("flce") if "flce" in loss_kernels else None,
                     cross_entropy=functions.get("cross_entropy"),
@@ -602,7 +604,9 @@ def _decoder_layer_targets(
         if not eligible(layer):
             continue
         try:
-            _require(layer, ("self_attn", "mlp", *(layer_spec.branch_dropouts or ())))
+            multiplier = layer_spec.residual_multiplier_attr
+            needed = ("self_attn", "mlp", *(layer_spec.branch_dropouts or ()))
+            _require(layer, (*needed, *([multiplier] if multiplier else [])))
         except AttributeError as exc:
             raise _layout_error(name, layer, spec, exc) from exc
         if index + 1 < len(layers):

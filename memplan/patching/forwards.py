@@ -183,6 +183,7 @@ def decoder_layer_forward(
     eps_attr = norm_spec.eps_attr
     options = _norm_options(norm_spec)
     dropouts = spec.branch_dropouts
+    multiplier_attr = spec.residual_multiplier_attr
 
     def normed(norm: nn.Module, x: torch.Tensor, inputs: int) -> tuple[torch.Tensor, ...]:
         return consumed_norm(x, norm.weight, getattr(norm, eps_attr), consumers=inputs, **options)
@@ -223,12 +224,16 @@ def decoder_layer_forward(
         )
         if dropouts is not None:
             attention_out = getattr(self, dropouts[0])(attention_out)
+        if multiplier_attr is not None:
+            attention_out = attention_out * getattr(self, multiplier_attr)
         residual, views = added_normed(
             self.post_attention_layernorm, residual, attention_out, wiring.mlp_inputs
         )
         mlp_out = self.mlp(views[0], **projection_inputs(views))
         if dropouts is not None:
             mlp_out = getattr(self, dropouts[1])(mlp_out)
+        if multiplier_attr is not None:
+            mlp_out = mlp_out * getattr(self, multiplier_attr)
 
         next_norm = wiring.next_norm
         if (
@@ -491,6 +496,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             kernels,
             ignore_index=ignore_index,
             softcap=softcap,
+            logits_scaling=self.config.logits_scaling if spec.logits_scaling else None,
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             prefetched=prefetched,
         )
@@ -570,10 +576,15 @@ def _loss(
     softcap: float | None,
     num_items_in_batch: Any,
     prefetched: Any = None,
+    logits_scaling: float | None = None,
 ) -> torch.Tensor:
     """The loss of the causal LM's last hidden states; `prefetched`: FLCE's target flags copied
-    at the forward's start (memplan.kernels.fused_linear_cross_entropy.prefetch_targets)."""
+    at the forward's start (memplan.kernels.fused_linear_cross_entropy.prefetch_targets);
+    `logits_scaling`: the divisor of the logits, applied to the hidden states (lm_head is
+    linear), where it is not 1."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
+    if logits_scaling is not None and logits_scaling != 1:
+        hidden = hidden / logits_scaling
     # FLCE needs the projection's weight; an adapter-wrapped lm_head (PEFT modules_to_save, LoRA)
     # is called as a module and its logits go to the cross-entropy kernel instead.
     if kernels.flce is not None and plain_linear(lm_head):

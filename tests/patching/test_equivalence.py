@@ -115,6 +115,20 @@ def test_layers_without_rope_are_not_rotated(monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "loss_kernel", ["flce", pytest.param("cross_entropy", marks=pytest.mark.slow)]
+)
+def test_logits_scaling_divides_the_hidden_states(loss_kernel):
+    """granite divides its logits by logits_scaling (16, a power of two): memplan's loss divides
+    the hidden states before lm_head instead, and trains as HF does; with each residual
+    multiplied by residual_multiplier in the patched layers."""
+    reference, patched = pair("granite")
+    assert reference.config.logits_scaling == 16 and reference.config.residual_multiplier != 1
+    applied = mp.apply(patched, kernels=["rms_norm", "rope", "swiglu", loss_kernel])
+    assert loss_kernel in applied.kernels
+    lockstep(reference, patched, steps=2, loss_tol=1e-6, grad_tol=1e-5)
+
+
+@pytest.mark.parametrize(
     "family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma2", "phi3"))]
 )
 def test_eval_and_no_labels_return_logits_as_hf(family):

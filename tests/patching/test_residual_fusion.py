@@ -29,6 +29,7 @@ PRE_NORM_FAMILIES = (
     "qwen3_moe",
     "seed_oss",
     "smollm3",
+    "granite",
 )
 
 
