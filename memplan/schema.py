@@ -102,8 +102,19 @@ class ModelSpec(BaseModel):
     attn_logit_softcapping: float | None = None
     # Ministral 3: the queries times Llama 4's position-dependent factor after RoPE.
     llama4_query_scale: bool = False
+    # Dropout probabilities in training: on the attention probabilities, and on the attention
+    # and MLP outputs before their residual adds (seed_oss).
+    attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    residual_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     sliding_window: int | None = Field(default=None, gt=0)
     layer_types: tuple[str, ...] | None = None
+    # Layers that apply no RoPE to q and k (SmolLM3's NoPE layers), by index.
+    nope_layers: tuple[int, ...] = ()
+    # Granite's multipliers: of the embedding, of each attention and MLP output before its
+    # residual add, and the divisor of the logits; None where the family has none.
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = Field(default=None, gt=0)
     # Mixture of experts (mixtral, qwen3_moe); 0 means dense.
     num_experts: int = Field(default=0, ge=0)
     num_experts_per_tok: int = Field(default=0, ge=0)
@@ -131,6 +142,8 @@ class ModelSpec(BaseModel):
             )
         if any(n <= 0 for n in self.vision_tower_tensors):
             raise ValueError("every vision tower tensor has at least one element")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {self.nope_layers} name layers the model does not have")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for "

@@ -3,6 +3,7 @@ only where CUDA is available (the device machine: `pytest -m gpu`)."""
 
 import gc
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -108,3 +109,41 @@ class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.fixture
 def new_storages() -> type[_NewStorages]:
     return _NewStorages
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes of the storages the ops run under it create that are alive, now (`current`)
+    and at most (`peak`); a storage counts until its last tensor or autograd node lets go."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def _release(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.set_:  # Triton's interpreter, around launches
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in self._sizes or not storage.nbytes():
+                continue
+            self._sizes[key] = storage.nbytes()
+            self._refs[key] = weakref.ref(storage, lambda _, k=key: self._release(k))
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        return out
+
+
+@pytest.fixture
+def live_bytes() -> type[_LiveBytes]:
+    return _LiveBytes

@@ -95,6 +95,15 @@ def test_known_values_of_a_few_checkpoints():
     mixtral = resolve_model("mixtral-8x7b")
     assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (8, 2)
     assert mixtral.moe_intermediate_size == 14336
+    seed = resolve_model("seed-oss-36b-instruct")
+    assert seed.attention_bias and not seed.attention_out_bias and seed.head_dim == 128
+    assert (seed.attention_dropout, seed.residual_dropout) == (0.1, 0.1)
+    smol = resolve_model("smollm3-3b")
+    assert smol.nope_layers == tuple(range(3, 36, 4)) and smol.tie_word_embeddings
+    assert smol.layer_types is None and not smol.use_cache
+    granite = resolve_model("granite-3.3-8b-instruct")
+    assert (granite.embedding_multiplier, granite.residual_multiplier) == (12.0, 0.22)
+    assert granite.logits_scaling == 16.0 and granite.tie_word_embeddings
     phi = resolve_model("phi-3-mini")
     assert phi.fused_qkv and phi.fused_gate_up and phi.head_dim == 96
     gemma3 = resolve_model("gemma-3-1b")
@@ -222,6 +231,7 @@ BOOLEAN = "true or false (a JSON boolean, not a string or number)"
 NUMBER = "a positive number or null"
 STRING = "a non-empty string"
 LIST = "a list or null"
+PROBABILITY = "a number >= 0 and < 1"
 WINDOWED = {"sliding_window": 64}
 QWEN2_WINDOWED = {"model_type": "qwen2", "use_sliding_window": True, **WINDOWED}
 LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"'
@@ -288,6 +298,24 @@ LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"
          "vision_feature_layer", "an integer or a non-empty list", "[]"),
         ({"model_type": "gemma3", "text_config": {}, "vision_config": {"num_hidden_layers": 513}},
          "vision_config.num_hidden_layers", "at most 512 (4x a text model's largest)", "513"),
+        ({"attention_dropout": 1.0}, "attention_dropout", PROBABILITY, "1.0"),
+        ({"model_type": "seed_oss", "residual_dropout": "0.1"}, "residual_dropout", PROBABILITY,
+         '"0.1"'),
+        ({"model_type": "seed_oss", "attention_out_bias": None}, "attention_out_bias", BOOLEAN,
+         "null"),
+        ({"model_type": "smollm3", "no_rope_layers": [1]}, "no_rope_layers",
+         "a list of at least 2 entries, each 0 or 1", "[1]"),
+        ({"model_type": "smollm3", "no_rope_layers": [1, 0.0]}, "no_rope_layers",
+         "a list of at least 2 entries, each 0 or 1", "[1, 0.0]"),
+        ({"model_type": "smollm3", "no_rope_layers": "1,0"}, "no_rope_layers", LIST, '"1,0"'),
+        ({"model_type": "smollm3", "no_rope_layer_interval": 0}, "no_rope_layer_interval",
+         POSITIVE_INT, "0"),
+        ({"model_type": "granite", "logits_scaling": 0}, "logits_scaling", "a positive number",
+         "0"),
+        ({"model_type": "granite", "residual_multiplier": "0.22"}, "residual_multiplier",
+         "a finite number", '"0.22"'),
+        ({"model_type": "granite", "embedding_multiplier": float("nan")}, "embedding_multiplier",
+         "a finite number", "NaN"),
     ],
 )  # fmt: skip
 def test_bad_config_value_is_one_error_naming_the_key(overrides, key, must_be, got):
@@ -346,6 +374,26 @@ def test_a_long_bad_value_is_cut_short():
          {"rope_tables": 2, "layer_types": None}),
         ({"model_type": "olmo2", "attention_bias": True},
          {"attention_bias": True, "attention_out_bias": True, "rope_tables": 1}),
+        ({"model_type": "seed_oss", "attention_out_bias": True, "attention_bias": False},
+         {"attention_bias": False, "attention_out_bias": True}),
+        ({"model_type": "seed_oss", "residual_dropout": 0, "attention_dropout": 0.25},
+         {"residual_dropout": 0.0, "attention_dropout": 0.25}),
+        ({"attention_dropout": 0.1, "residual_dropout": 0.5}, {"residual_dropout": 0.0}),
+        ({"model_type": "smollm3", "no_rope_layer_interval": 2}, {"nope_layers": (1,)}),
+        ({"model_type": "smollm3", "no_rope_layers": [0, 1, 1], "use_sliding_window": True,
+          **WINDOWED},
+         {"nope_layers": (0,), "layer_types": ("sliding_attention", "full_attention"),
+          "sliding_window": 64}),
+        ({"model_type": "smollm3", "no_rope_layers": [0, 1], **WINDOWED},
+         {"layer_types": None, "sliding_window": None}),
+        ({"model_type": "smollm3", "no_rope_layers": [True, False], **WINDOWED,
+          "layer_types": ["full_attention", "sliding_attention"]},
+         {"nope_layers": (1,), "layer_types": ("full_attention", "sliding_attention")}),
+        ({"model_type": "granite"},
+         {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}),
+        ({"model_type": "granite", "logits_scaling": 8},
+         {"logits_scaling": 8.0, "embedding_multiplier": 1.0}),
+        ({"logits_scaling": 8.0}, {"logits_scaling": None}),
     ],
 )  # fmt: skip
 def test_valid_edge_values_are_read_as_transformers_reads_them(overrides, expected):

@@ -117,6 +117,31 @@ def test_matches_autograd_on_cpu(case: str, saved_storage_bytes) -> None:
     assert predicted(model_type, precision, attn, "cpu", INSTALLED) == measured
 
 
+CPU_ONLY_CASES = [
+    f"{family}/{precision}/{attn}"
+    for family in CPU_ONLY_FAMILIES
+    for precision in ("bf16", "fp32")
+    for attn in ("sdpa", "eager")
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        c if c.endswith("/bf16/sdpa") else pytest.param(c, marks=pytest.mark.slow)
+        for c in CPU_ONLY_CASES
+    ],
+)
+def test_unprobed_family_matches_autograd_on_cpu(case: str, saved_storage_bytes) -> None:
+    """seed_oss on the CPU: its dropouts (at::dropout's noise, of the input's dtype, where CUDA's
+    fused kernel keeps a bool mask; SDPA's math path, in fp32, where the CPU's fused kernel takes
+    no dropout) and its attention biases. smollm3: a layer without RoPE, windowed. granite: its
+    multipliers save nothing (products with a number)."""
+    model_type, precision, attn = case.split("/")
+    measured = saved_bytes_live(saved_storage_bytes, model_type, precision, attn)
+    assert predicted(model_type, precision, attn, "cpu", INSTALLED) == measured
+
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -152,6 +177,12 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         # the first layer (sliding) saves no rotation: its cos/sin pair is not kept
         ("olmo3", ("gate_proj", "up_proj", "down_proj"), "bf16", "sdpa"),
         ("olmo3", ("k_proj",), "fp32", "eager"),
+        # seed_oss: dropout after o_proj and down_proj keeps its noise only where a gradient
+        # flows through it (o_proj adapted, q/k/v frozen in the first layer)
+        ("seed_oss", ("o_proj", "down_proj"), "bf16", "eager"),
+        pytest.param("seed_oss", ("v_proj",), "fp32", "sdpa", marks=pytest.mark.slow),
+        pytest.param("smollm3", ("k_proj",), "fp32", "eager", marks=pytest.mark.slow),
+        pytest.param("granite", ("q_proj", "down_proj"), "bf16", "sdpa", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -199,8 +230,16 @@ def test_lora_matches_autograd_on_cpu(
                 ("olmo2", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
                 ("olmo3", ("rms_norm", "rope", "swiglu", "cross_entropy"), "bf16", ()),
                 ("olmo3", ("rms_norm", "rope"), "bf16", ("gate_proj", "up_proj")),
+                ("seed_oss", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
+                ("smollm3", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
+                # lm_head keeps the hidden states divided by logits_scaling, not the norm's output
+                ("granite", ("rms_norm", "rope", "swiglu", "cross_entropy"), "bf16", ()),
+                ("granite", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
             ]
         ),
+        # memplan's RoPE gives k a gradient with q's in layer 0, but not in smollm3's layer 1,
+        # which applies no RoPE
+        pytest.param("smollm3", ("rope",), "bf16", ("q_proj",), marks=pytest.mark.slow),
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
         # first layer keeps q and k, unlike HF's RoPE (test_lora_matches_autograd_on_cpu).
         ("llama", ("rope",), "bf16", ("q_proj",)),
@@ -237,6 +276,72 @@ def test_patched_model_matches_autograd_on_cpu(
         **lora,
     )
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured
+
+
+@pytest.mark.parametrize(
+    "kernels,precision,lora",
+    [
+        (("flce",), "fp32", False),
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in [
+                (("flce",), "bf16", False),
+                (("cross_entropy",), "fp32", False),
+                (("cross_entropy",), "bf16", False),
+                (("cross_entropy",), "fp32", True),
+            ]
+        ),
+    ],
+)
+def test_logits_scaling_in_memplans_loss_costs_what_the_walk_says(
+    kernels, precision, lora, live_bytes
+) -> None:
+    """memplan's loss divides Granite's hidden states by logits_scaling before lm_head, where HF
+    divides the logits: one hidden-sized tensor more through the loss (kept by a trainable
+    lm_head without autocast, beside the norm's output). The peak of the storages alive in the
+    patched forward, logits_scaling 16 against 1, grows by what the estimate's loss phase adds,
+    to the byte (a vocabulary of 8192, so that the loss is the forward's peak)."""
+    import memplan
+    from memplan.estimators.timeline import step_sizes, walk_run
+    from tests.patching.tiny_models import TINY, catalog_config, shrink
+
+    def forward_peak_and_estimate(scaling: float) -> tuple[int, int]:
+        config = shrink(
+            catalog_config("granite-3.3-8b-instruct"),
+            {**TINY, "vocab_size": 8192},
+            logits_scaling=scaling,
+        )
+        model_type = config.pop("model_type")
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        hf = AutoConfig.for_model(model_type, **config)
+        model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="sdpa")
+        setup_lora = {}
+        if lora:
+            peft = pytest.importorskip("peft")
+            targets = ["q_proj", "v_proj"]
+            adapters = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets)
+            model = peft.get_peft_model(model, adapters)
+            setup_lora = {"lora_rank": 16, "lora_targets": tuple(targets)}
+        memplan.apply(model.train(), plan=None, kernels=list(kernels))
+        ids = torch.randint(0, hf.vocab_size, (2, 64))
+        mode = live_bytes()
+        with mode:
+            model(input_ids=ids, labels=ids)
+        spec = spec_from_config({**config, "model_type": model_type})
+        setup = TrainSetup(
+            batch=2, seq=64, precision=precision, kernels=kernels, transformers=INSTALLED,
+            **setup_lora,
+        )  # fmt: skip
+        (first, _), _ = walk_run(spec, setup, step_sizes(spec, setup, None, "cpu"))
+        loss_phase = max(n for phase, _, n in first.points if phase == "loss")
+        return mode.peak, loss_phase
+
+    (measured_16, estimated_16), (measured_1, estimated_1) = map(
+        forward_peak_and_estimate, (16.0, 1.0)
+    )
+    hidden = 2 * 64 * TINY["hidden_size"] * (2 if precision == "bf16" else 4)
+    assert measured_16 - measured_1 == estimated_16 - estimated_1 == hidden
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])
@@ -342,6 +447,11 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
                 ("llama", "amp-bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
                 ("llama", "amp-bf16", {"kernels": ("rope",)}),
                 ("ministral3", "amp-bf16", {}),
+                # the CPU's math path (attention dropout) saves fp32 copies of k and v
+                ("seed_oss", "bf16", {}),
+                # a layer without RoPE keeps k in bf16 under autocast: SDPA saves the cache's k
+                ("smollm3", "amp-bf16", {}),
+                ("granite", "bf16", {}),
             ]
         ),
     ],
@@ -410,7 +520,7 @@ def test_checkpointed_lora_keeps_the_embedding_leaf_until_the_next_forward() -> 
 
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model("llama", **{**PROBE["tiny"], **PROBE["families"]["llama"]})
+    cfg = AutoConfig.for_model("llama", **family_overrides("llama"))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).train()
     model.gradient_checkpointing_enable()
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj"], lora_dropout=0.0)

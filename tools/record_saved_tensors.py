@@ -54,6 +54,16 @@ FAMILIES = {
         "moe_intermediate_size": 128,
         "head_dim": 64,
     },
+    "seed_oss": {"head_dim": 64},
+    # layer 1 without RoPE, and with a window shorter than the probe's sequence
+    "smollm3": {"no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 32},
+    # granite-3.3-8b-instruct's multipliers
+    "granite": {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0078125,
+        "logits_scaling": 16.0,
+    },
     "olmo2": {},
     # one sliding and one full layer: a cos/sin pair each, the window reached at seq 64
     "olmo3": {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
@@ -80,6 +90,9 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
             "gemma3_text",
             "olmo2",
             "olmo3",
+            "seed_oss",
+            "smollm3",
+            "granite",
         )
     },
     "phi3": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("o_proj",)),

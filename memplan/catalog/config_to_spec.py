@@ -32,6 +32,7 @@ _COMMON: dict[str, Any] = {
     "mlp_bias": False,
     "sliding_window": None,
     "use_cache": True,
+    "attention_dropout": 0.0,
 }
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -82,7 +83,8 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     attention_bias, attention_out_bias = _attention_biases(rules, cfg)
     if rules.llama4_query_scale:
         _check_llama4_scale(cfg, model_type)
-    sliding_window, layer_types = _attention_windows(rules, cfg, layers)
+    nope_layers = _nope_layers(rules, cfg, layers)
+    sliding_window, layer_types = _attention_windows(rules, cfg, layers, nope_layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
 
     fields = {
@@ -116,8 +118,14 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "final_logit_softcapping": _optional_positive_float(cfg, "final_logit_softcapping"),
         "attn_logit_softcapping": _optional_positive_float(cfg, "attn_logit_softcapping"),
         "llama4_query_scale": rules.llama4_query_scale,
+        "attention_dropout": _probability(cfg, "attention_dropout"),
+        "residual_dropout": _probability(cfg, rules.residual_dropout_key)
+        if rules.residual_dropout_key
+        else 0.0,
         "sliding_window": sliding_window,
         "layer_types": layer_types,
+        "nope_layers": nope_layers,
+        **_multipliers(rules, cfg),
         "num_experts": num_experts,
         "num_experts_per_tok": experts_per_tok,
         "moe_intermediate_size": moe_intermediate,
@@ -213,6 +221,27 @@ def _optional_positive_float(cfg: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
+def _number(cfg: dict[str, Any], key: str) -> float:
+    value = cfg.get(key)
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise _bad_value(key, value, "a finite number")
+    return float(value)
+
+
+def _positive_number(cfg: dict[str, Any], key: str) -> float:
+    value = _number(cfg, key)
+    if value <= 0:
+        raise _bad_value(key, cfg[key], "a positive number")
+    return value
+
+
+def _probability(cfg: dict[str, Any], key: str) -> float:
+    value = cfg.get(key)
+    if not (_is_int(value) or isinstance(value, float)) or not 0 <= value < 1:
+        raise _bad_value(key, value, "a number >= 0 and < 1")
+    return float(value)
+
+
 def _boolean(cfg: dict[str, Any], key: str) -> bool:
     value = cfg.get(key)
     if not isinstance(value, bool):
@@ -278,12 +307,44 @@ def _attention_biases(rules: ConfigRules, cfg: dict[str, Any]) -> tuple[bool, bo
         return False, False
     if rule == "qkv":
         return True, False
+    if rule == "out_key":
+        return _boolean(cfg, "attention_bias"), _boolean(cfg, "attention_out_bias")
     bias = _boolean(cfg, "attention_bias")
     return bias, bias
 
 
+def _multipliers(rules: ConfigRules, cfg: dict[str, Any]) -> dict[str, float | None]:
+    """Granite's embedding and residual multipliers and its logits divisor, or none."""
+    keys = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+    if not rules.multipliers:
+        return dict.fromkeys(keys)
+    return {
+        "embedding_multiplier": _number(cfg, "embedding_multiplier"),
+        "residual_multiplier": _number(cfg, "residual_multiplier"),
+        "logits_scaling": _positive_number(cfg, "logits_scaling"),
+    }
+
+
+def _nope_layers(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """The layers that apply no RoPE: the 0 entries of no_rope_layers (one per layer at least),
+    else every no_rope_layer_interval-th layer, as SmolLM3Config derives them."""
+    if not rules.nope_layers:
+        return ()
+    if cfg.get("no_rope_layers") is None:
+        interval = _positive_int(cfg, "no_rope_layer_interval")
+        return tuple(i for i in range(layers) if (i + 1) % interval == 0)
+    flags = _optional_list(cfg, "no_rope_layers")
+    if len(flags) < layers or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise _bad_value(
+            "no_rope_layers",
+            cfg["no_rope_layers"],
+            f"a list of at least {layers} entries, each 0 or 1",
+        )
+    return tuple(i for i in range(layers) if not flags[i])
+
+
 def _attention_windows(
-    rules: ConfigRules, cfg: dict[str, Any], layers: int
+    rules: ConfigRules, cfg: dict[str, Any], layers: int, nope_layers: tuple[int, ...] = ()
 ) -> tuple[int | None, tuple[str, ...] | None]:
     """The sliding window and, when any layer uses it, every layer's attention type."""
     rule = rules.windowed_layers
@@ -299,6 +360,12 @@ def _attention_windows(
         types = _layer_types(cfg, layers)
     elif rule == "pattern":
         types = _pattern_layer_types(rules, cfg, layers)
+    elif rule == "nope_if_enabled":
+        if not _boolean(cfg, "use_sliding_window"):
+            return None, None
+        types = tuple(
+            "sliding_attention" if i in nope_layers else "full_attention" for i in range(layers)
+        )
     elif rule == "from_max_window_layers":
         first = _non_negative_int(cfg, "max_window_layers")
         types = tuple(

@@ -110,6 +110,24 @@ class LayerContext:
 
     sliding: bool  # this layer attends through a sliding window
     under_autocast: bool  # inside torch.autocast, whatever the weights' dtype
+    rope: bool = True  # this layer rotates q and k (not one of SmolLM3's NoPE layers)
+
+    @property
+    def rope_kernel(self) -> bool:
+        """memplan's RoPE kernel rotates this layer's q and k."""
+        return self.rope and "rope" in self.kernels
+
+    @property
+    def hf_rope(self) -> bool:
+        """transformers' RoPE rotates this layer's q and k."""
+        return self.rope and "rope" not in self.kernels
+
+    @property
+    def rotated_in_cos_dtype(self) -> bool:
+        """q and k leave this layer's RoPE in cos/sin's dtype (the residual stream's, fp32 under
+        autocast): HF's RoPE does, except where the family casts them back to their own dtype
+        (OLMo); memplan's kernel, and a layer without RoPE, keep q's and k's."""
+        return self.hf_rope and not self.spec.rope_in_fp32
 
     @property
     def seq(self) -> int:
@@ -185,7 +203,7 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=1 if over_projection else heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
-    if "rope" in ctx.kernels:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
+    if ctx.rope_kernel:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
         out.add("attn.rope", kc.rope_saved_bytes(1, (nh + kv) * hd, p))
     if spec.llama4_query_scale and qkv_need_grad(ctx)[0]:
         # q * get_llama_4_attn_scale(position_ids).to(q.dtype) keeps the (1, 1, seq, 1) factor
@@ -199,11 +217,17 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         # the scores do; the fp32 softmax output when the scores do, its low-precision cast
         # when v does (in fp32 the cast is the softmax output itself). SDPA's math path (fp32
         # with grouped KV heads on CUDA: no fused kernel takes it) runs the same ops in fp32.
+        # Dropout on the probabilities keeps its mask (or noise) when the scores need a
+        # gradient, and matmul(probs, v) then keeps the dropped copy instead of the cast.
         q_grad, k_grad, v_grad = qkv_need_grad(ctx)
         scores_grad = q_grad or k_grad
-        out.add_each("attn.qkv", *[p * nh * hd] * (k_grad + q_grad + scores_grad))
-        cast_kept = v_grad and (p < FP32 or not scores_grad)
-        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p * nh * seq * cast_kept)
+        p_scores = scores_bytes(ctx)
+        dropout = spec.attention_dropout > 0
+        out.add_each("attn.qkv", *[p_scores * nh * hd] * (k_grad + q_grad + scores_grad))
+        cast_kept = v_grad and (dropout or p_scores < FP32 or not scores_grad)
+        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p_scores * nh * seq * cast_kept)
+        if dropout and scores_grad:
+            out.add("attn.dropout", dropout_saved_bytes(ctx, p_scores) * nh * seq)
         if ctx.setup.attn == "eager" and spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
         if o_input_kept(ctx):
@@ -237,15 +261,15 @@ def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
     if ctx.needs_input_grad:
         return True, True, True
     q, k, v = (ctx.adapted(name, "qkv_proj") for name in ("q_proj", "k_proj", "v_proj"))
-    if "rope" in ctx.kernels:
+    if ctx.rope_kernel:
         q = k = q or k
     return q, k, v
 
 
 def rotated_dtype(ctx: LayerContext) -> int:
-    """Bytes per element of q and k after RoPE (rotated_in_cos_dtype: the residual's, or their
-    own)."""
-    return ctx.dtypes.residual if rotated_in_cos_dtype(ctx.spec, ctx.setup) else ctx.dtypes.proj
+    """Bytes per element of q and k after RoPE (LayerContext.rotated_in_cos_dtype: the
+    residual's, or their own)."""
+    return ctx.dtypes.residual if ctx.rotated_in_cos_dtype else ctx.dtypes.proj
 
 
 def rotation_saved(ctx: LayerContext) -> bool:
@@ -269,14 +293,38 @@ def adapters_share_inputs(dtypes: DtypePlan) -> bool:
 
 
 def sdpa_math_path(spec: ModelSpec, dtypes: DtypePlan, backend: str, masked: bool) -> bool:
-    """Whether CUDA SDPA falls back to its math path, which materializes (heads x seq) fp32
-    probabilities: fp32 q, k, v with grouped KV heads and no mask. transformers passes
+    """Whether SDPA falls back to its math path, which materializes (heads x seq) fp32
+    probabilities. On CUDA: fp32 q, k, v with grouped KV heads and no mask. transformers passes
     enable_gqa=True only when there is no mask and the KV heads are grouped
     (integrations/sdpa_attention.use_gqa_in_sdpa); on CUDA only flash attention and the math
     path take enable_gqa, and flash attention takes no fp32. Without grouped heads the
-    memory-efficient kernel takes fp32."""
+    memory-efficient kernel takes fp32. On the CPU: with dropout, which its fused kernel does
+    not take (the math path then computes bf16 in fp32)."""
+    if backend != "cuda":
+        return spec.attention_dropout > 0
     grouped = spec.num_key_value_heads < spec.num_attention_heads
-    return dtypes.proj == FP32 and backend == "cuda" and grouped and not masked
+    return dtypes.proj == FP32 and grouped and not masked
+
+
+def scores_bytes(ctx: LayerContext) -> int:
+    """Bytes per element of q, k, v and the probabilities where attention materializes scores:
+    the projections' dtype for eager attention, fp32 on SDPA's math path."""
+    return ctx.dtypes.proj if ctx.setup.attn == "eager" else FP32
+
+
+def dropout_saved_bytes(ctx: LayerContext, input_bytes: int) -> int:
+    """Bytes per element dropout saves for backward in training: CUDA's fused native_dropout a
+    bool mask; on other devices at::dropout multiplies by a noise tensor of the input's dtype,
+    which the product saves."""
+    return 1 if ctx.backend == "cuda" else input_bytes
+
+
+def fused_attention_kernel(ctx: LayerContext) -> Literal["cudnn", "flash"]:
+    """The fused SDPA kernel of a bf16/fp16 layer without a mask on CUDA (sm90): cuDNN, unless
+    its head dim is over 128 or the dropout is not a multiple of 1/16 (traced/sdpa.py)."""
+    hd = ctx.spec.head_dim
+    cudnn = hd <= 128 and hd % 8 == 0 and float(ctx.spec.attention_dropout * 16).is_integer()
+    return "cudnn" if cudnn else "flash"
 
 
 def attention_path(ctx: LayerContext) -> Literal["scores", "memory_efficient", "fused"]:
@@ -296,15 +344,8 @@ def repeat_is_view(ctx: LayerContext) -> bool:
     and v as they are, unless autocast casts them to a full-size copy (HF's RoPE leaves k in
     fp32 under autocast): CPU and H200 probes, gemma3 with kv = 1."""
     return ctx.spec.num_key_value_heads == 1 and not (
-        ctx.dtypes.autocast and rotated_in_cos_dtype(ctx.spec, ctx.setup)
+        ctx.dtypes.autocast and ctx.rotated_in_cos_dtype
     )
-
-
-def rotated_in_cos_dtype(spec: ModelSpec, setup: TrainSetup) -> bool:
-    """Whether q and k leave RoPE in cos/sin's dtype (the residual stream's, fp32 under
-    autocast): HF's RoPE does, except where the family casts them back to their own dtype
-    (OLMo); memplan's kernel keeps q's and k's."""
-    return "rope" not in setup.kernels and not spec.rope_in_fp32
 
 
 def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -> tuple[bool, bool]:
@@ -326,7 +367,7 @@ def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -
         unrepeated = one_group or repeat_is_view(ctx)
     else:
         unrepeated = True
-    p = ctx.dtypes.proj
+    p = scores_bytes(ctx) if path == "scores" else ctx.dtypes.proj
     return (
         key_saved and unrepeated and key_bytes == p,
         value_saved and unrepeated and value_bytes == p,
@@ -425,6 +466,8 @@ def layer_saved(ctx: LayerContext) -> Saved:
             input_requires_grad=ctx.needs_input_grad,
         )
     attention_saved(ctx, out)
+    if spec.residual_dropout and ctx.output_needs_grad(1):
+        out.add("attn.residual_dropout", dropout_saved_bytes(ctx, d.proj) * spec.hidden_size)
     after_attention = ctx.output_needs_grad(1)
     if post_norms:
         norm_saved(
@@ -453,6 +496,8 @@ def layer_saved(ctx: LayerContext) -> Saved:
             input_requires_grad=after_attention,
         )
     mlp_saved(ctx, out)
+    if spec.residual_dropout and ctx.output_needs_grad(3):
+        out.add("mlp.dropout", dropout_saved_bytes(ctx, d.proj) * spec.hidden_size)
     if post_norms:
         norm_saved(
             ctx,

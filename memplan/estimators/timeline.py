@@ -26,7 +26,6 @@ from memplan.estimators.contracts import (
     kv_cache_shares_saved,
     layer_saved,
     norm_saved,
-    rotated_in_cos_dtype,
     rotation_saved,
     runs_under_autocast,
     sdpa_math_path,
@@ -108,6 +107,7 @@ def layer_contexts(
             needs_input_grad=not (lora and index == 0),
             sliding=index < len(layer_types) and layer_types[index] == "sliding_attention",
             under_autocast=dtypes.autocast if under_autocast is None else under_autocast,
+            rope=index not in spec.nope_layers,
         )
         for index in range(spec.num_hidden_layers)
     ]
@@ -169,12 +169,12 @@ def forward_saved(
     blocks = round_block if rounded else int
     lora = bool(setup.lora_rank)
     contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
-    by_kind: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}  # layers differ in these
-    recomputed: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}
+    by_kind: dict[tuple[bool, bool, bool], tuple[list[int], list[int]]] = {}  # layers differ so
+    recomputed: dict[tuple[bool, bool, bool], tuple[list[int], list[int]]] = {}
     # Without autocast the linears that read the residual stream keep the layer input itself.
     layer_input = (LAYER_INPUT,) if not dtypes.autocast else ()
     for ctx in contexts:
-        kind = (ctx.sliding, ctx.needs_input_grad)
+        kind = layer_kind(ctx)
         if kind not in by_kind:
             saved = layer_saved(ctx)
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
@@ -200,8 +200,8 @@ def forward_saved(
     if FAMILIES[spec.model_type].scaled_embedding and not lora:
         embedding += blocks(dtypes.residual)  # the sqrt(hidden) normalizer, a 0-d tensor
     return ForwardSaved(
-        layer_entries=[by_kind[(ctx.sliding, ctx.needs_input_grad)] for ctx in contexts],
-        recomputed_entries=[recomputed[(ctx.sliding, ctx.needs_input_grad)] for ctx in contexts],
+        layer_entries=[by_kind[layer_kind(ctx)] for ctx in contexts],
+        recomputed_entries=[recomputed[layer_kind(ctx)] for ctx in contexts],
         final_norm=blocks(final.bytes(tokens)),
         embedding=embedding,
         shared=shared,
@@ -210,13 +210,23 @@ def forward_saved(
     )
 
 
+def layer_kind(ctx: LayerContext) -> tuple[bool, bool, bool]:
+    """What makes layers save different tensors: a sliding window, an input that needs no
+    gradient (the first layer under LoRA), RoPE applied or not."""
+    return ctx.sliding, ctx.needs_input_grad, ctx.rope
+
+
 def rope_tables_kept(spec: ModelSpec, contexts: list[LayerContext]) -> int:
-    """The cos/sin pairs saved for backward. With one pair per layer type (OLMo 3), a type's pair
-    is saved where a layer of that type saves its rotation (not the first layer under LoRA when
-    neither q nor k needs a gradient there), else freed when the forward returns."""
+    """The cos/sin pairs saved for backward: none where no layer rotates (SmolLM3's NoPE layers
+    only). With one pair per layer type (OLMo 3), a type's pair is saved where a layer of that
+    type saves its rotation (not the first layer under LoRA when neither q nor k needs a gradient
+    there), else freed when the forward returns."""
+    rotating = [ctx for ctx in contexts if ctx.rope]
+    if not rotating:
+        return 0
     if spec.rope_tables == 1 or spec.layer_types is None:
         return spec.rope_tables
-    return len({ctx.sliding for ctx in contexts if rotation_saved(ctx)})
+    return len({ctx.sliding for ctx in rotating if rotation_saved(ctx)})
 
 
 def checkpointed_masks(
@@ -494,20 +504,25 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     )
 
 
-def kv_cache_dtypes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
-    """Bytes per element of the KV cache's keys and values. k after HF's RoPE takes the dtype of
-    cos/sin, the residual's (fp32 under autocast; memplan's RoPE and OLMo's keep k's:
-    contracts.rotated_in_cos_dtype); the values take the keys' dtype before transformers 5.24
-    (the cache was made from the keys' dtype), their own (the projection's) after."""
-    key = dtypes.residual if rotated_in_cos_dtype(spec, setup) else dtypes.proj
+def kv_cache_dtypes(
+    setup: TrainSetup, dtypes: DtypePlan, rotated_in_cos_dtype: bool = True
+) -> tuple[int, int]:
+    """Bytes per element of a layer's KV cache keys and values. k after HF's RoPE takes the dtype
+    of cos/sin, the residual's (fp32 under autocast), where `rotated_in_cos_dtype`
+    (LayerContext.rotated_in_cos_dtype: not under memplan's RoPE, OLMo's, or in a layer without
+    RoPE, which keep k's); the values take the keys' dtype before transformers 5.24 (the cache
+    was made from the keys' dtype), their own (the projection's) after."""
+    key = dtypes.residual if rotated_in_cos_dtype else dtypes.proj
     value = key if Release.of(setup.transformers).kv_values_in_key_dtype else dtypes.proj
     return key, value
 
 
-def kv_cache_tensors(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> tuple[int, int]:
+def kv_cache_tensors(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, rotated_in_cos_dtype: bool = True
+) -> tuple[int, int]:
     """The bytes of one layer's KV cache entries, keys then values (kv_cache_dtypes)."""
     elements = setup.batch * setup.seq * spec.num_key_value_heads * spec.head_dim
-    key, value = kv_cache_dtypes(spec, setup, dtypes)
+    key, value = kv_cache_dtypes(setup, dtypes, rotated_in_cos_dtype)
     return round_block(elements * key), round_block(elements * value)
 
 
@@ -516,12 +531,13 @@ def kv_cache_added(
 ) -> list[list[int]]:
     """Per layer, the cache tensors that are not also attention's saved inputs: what the cache
     adds to the forward's memory (contracts.kv_cache_shares_saved)."""
-    key, value = kv_cache_tensors(spec, setup, dtypes)
-    key_dtype, value_dtype = kv_cache_dtypes(spec, setup, dtypes)
     added = []
     for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
-        shared = kv_cache_shares_saved(ctx, key_dtype, value_dtype)
-        added.append([n for n, kept in zip((key, value), shared, strict=True) if not kept])
+        tensors = kv_cache_tensors(spec, setup, dtypes, ctx.rotated_in_cos_dtype)
+        shared = kv_cache_shares_saved(
+            ctx, *kv_cache_dtypes(setup, dtypes, ctx.rotated_in_cos_dtype)
+        )
+        added.append([n for n, kept in zip(tensors, shared, strict=True) if not kept])
     return added
 
 
@@ -702,6 +718,8 @@ def walk_step(
     autocast_cache = builder.alloc("autocast_cache", sizes.autocast_cache if ckpt else 0)
 
     hf_loss = "flce" not in kernels and "cross_entropy" not in kernels
+    # memplan's loss divides the hidden states by Granite's logits_scaling (HF: the logits)
+    hidden_scaled = not hf_loss and spec.logits_scaling not in (None, 1.0)
     # transformers builds a KV cache in training too, unless checkpointing turns it off or
     # memplan's causal-LM forward (patched with a loss kernel) does: every layer's k and v, held
     # by the model output until forward returns; memory of its own where attention saves others.
@@ -710,6 +728,11 @@ def walk_step(
     forward_kept = builder.alloc_all(
         "activations", (saved.shared, saved.embedding, *saved.checkpoint_masks)
     )
+    # peft's leaf under checkpointed LoRA is the embedding's output; where the model multiplies
+    # that output, the leaf is a tensor of its own beside layer 0's input, from here on.
+    leaf = None
+    if ckpt and lora and spec.embedding_multiplier is not None:
+        leaf = builder.alloc("embedding_leaf", sizes.residual)
     if not tied:
         layout.forward_exit(builder, "embedding")
     kv_cache: list[int] = []
@@ -732,24 +755,37 @@ def walk_step(
 
     upcast = sizes.logits_fp32 if sizes.logits_p < sizes.logits_fp32 else 0
     # The final norm's output, the loss's input, is alive until forward returns; it counts here
-    # where nothing saved it: FLCE, a frozen lm_head (LoRA), or autocast (lm_head saves a copy).
-    unsaved = "flce" in kernels or lora or DtypePlan.of(computed_setup(setup).precision).autocast
+    # where nothing saved it: FLCE, a frozen lm_head (LoRA), autocast (lm_head saves a copy), or
+    # memplan's loss dividing it by logits_scaling (lm_head saves the quotient).
+    autocast = DtypePlan.of(computed_setup(setup).precision).autocast
+    unsaved = "flce" in kernels or lora or autocast or hidden_scaled
     norm_out = builder.alloc("activations", sizes.residual if unsaved else 0)
+    # The divided hidden states, alive through the loss kernel; where lm_head keeps them (it
+    # trains, without autocast) the final norm's saved output counts them.
+    kept_by_lm_head = "cross_entropy" in kernels and not lora and not autocast
+    scaled_bytes = sizes.residual if hidden_scaled and not kept_by_lm_head else 0
     if "flce" in kernels:
         builder.at("loss", "fused linear cross entropy")
+        scaled = builder.alloc("logits_and_loss", scaled_bytes)
         copies = builder.alloc_all("logits_and_loss", sizes.flce_autocast_copies)
         loss_saved = play_flce(builder, sizes.flce_steps)
         builder.free_all(copies)
+        builder.free(scaled)
     elif "cross_entropy" in kernels:
         builder.at("loss", "logits + cross-entropy kernel")
+        scaled = builder.alloc("logits_and_loss", scaled_bytes)
         loss_saved = builder.alloc_all("logits_and_loss", sizes.loss_entries)
         builder.mark("loss", "logits + cross-entropy kernel")
+        builder.free(scaled)
     else:
         # lm_head output (held by the model output until forward returns), its fp32 upcast,
         # then log_softmax's output and the shifted targets (saved.loss); the upcast is freed
         # once log_softmax has run.
         builder.at("loss", "logits, fp32 upcast, log_softmax")
         logits = builder.alloc("logits_and_loss", sizes.logits_p)
+        if spec.logits_scaling is not None:
+            # logits / logits_scaling: lm_head's output is freed once the quotient is made
+            builder.mark("loss", "logits / logits_scaling", [sizes.logits_p], "logits_and_loss")
         upcast_tensor = builder.alloc("logits_and_loss", upcast)
         loss_saved = builder.alloc_all("logits_and_loss", sizes.loss_entries)
         builder.mark("loss", "logits, fp32 upcast, log_softmax")
@@ -789,6 +825,8 @@ def walk_step(
             builder.mark(
                 "backward", "softcap backward", [sizes.logits_p, sizes.logits_p], "logits_and_loss"
             )
+        if spec.logits_scaling is not None:
+            builder.mark("backward", "logits_scaling backward", [sizes.logits_p], "logits_and_loss")
         loss_saved = [logits_grad]
     if "flce" not in kernels:  # the pre-backward hook on lm_head's output, the logits
         layout.backward_enter(builder, "tail")
@@ -811,6 +849,8 @@ def walk_step(
         grad_hidden = builder.alloc("transient", sizes.grad_hidden)
         builder.mark("backward", "lm_head backward")
         builder.free_all(loss_saved)
+    if hidden_scaled:  # the gradient divided by logits_scaling, a new tensor beside the first
+        builder.mark("backward", "logits_scaling backward", [sizes.residual])
     builder.free(final_norm)
     if layout.owns_gradients():
         keep_gradients("tail", "final_norm")
@@ -858,7 +898,8 @@ def walk_step(
     if ckpt and lora:
         # peft makes the frozen embedding's output a leaf that requires grad: the step's graph
         # keeps it and, after backward, its gradient, until the next step's forward returns.
-        run.embedding_leaf += builder.alloc_all("embedding_leaf", [sizes.residual] * 2)
+        kept = [leaf] if leaf is not None else builder.alloc_all("embedding_leaf", [sizes.residual])
+        run.embedding_leaf += kept + builder.alloc_all("embedding_leaf", [sizes.residual])
     if not lora:
         builder.at("backward", "embedding backward")
         if not tied:

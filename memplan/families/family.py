@@ -33,13 +33,22 @@ class ConfigRules:
     """How a config.json of the family reads: transformers' class defaults and the traits that
     are the family's rather than the config's.
 
-    attention_bias: "config" (q/k/v/o follow attention_bias), "never", or "qkv" (q/k/v always,
-        o never). windowed_layers: which layers slide when a window is given: "all",
-        "all_if_enabled" (use_sliding_window), "from_max_window_layers", or "pattern" (every
-        sliding_window_pattern-th layer is full). reads_layer_types: whether the model reads
-        config.layer_types (Mistral's and Ministral 3's slide every layer whatever it says).
-        fused: one qkv_proj and one gate_up_proj. llama4_query_scale: attention multiplies the
-        queries after RoPE by Llama 4's position-dependent factor (Ministral 3).
+    attention_bias: "config" (q/k/v/o follow attention_bias), "never", "qkv" (q/k/v always,
+        o never) or "out_key" (q/k/v follow attention_bias, o attention_out_bias).
+        windowed_layers: which layers slide when a window is given: "all", "all_if_enabled"
+        (use_sliding_window), "from_max_window_layers", "pattern" (every
+        sliding_window_pattern-th layer is full), or "nope_if_enabled" (the layers without RoPE,
+        with use_sliding_window). reads_layer_types: whether the model reads config.layer_types
+        (Mistral's and Ministral 3's slide every layer whatever it says); where it does, they
+        say it for every rule. fused: one qkv_proj and one gate_up_proj. llama4_query_scale:
+        attention multiplies the queries after RoPE by Llama 4's position-dependent factor
+        (Ministral 3).
+    nope_layers: some layers apply no RoPE: those no_rope_layers marks 0, else every
+        no_rope_layer_interval-th layer (SmolLM3).
+    multipliers: the model multiplies the embedding by embedding_multiplier and each branch
+        output by residual_multiplier, and divides the logits by logits_scaling (Granite).
+    residual_dropout_key: the config key of the dropout on the attention and MLP outputs before
+        their residual adds (None: the family has none).
     qk_norm_scope: what q_norm and k_norm normalize: each head's vector (Qwen3, Gemma 3) or the
         whole q / k projection output before it is split into heads (OLMo 2/3).
     post_norm: no norm before attention and MLP; one on each branch's output before its residual
@@ -50,9 +59,14 @@ class ConfigRules:
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
-    attention_bias: Literal["config", "never", "qkv"] = "config"
+    attention_bias: Literal["config", "never", "qkv", "out_key"] = "config"
+    residual_dropout_key: str | None = None
     mlp_bias: bool = False  # whether the config's mlp_bias is read (otherwise no MLP bias)
-    windowed_layers: Literal["all", "all_if_enabled", "from_max_window_layers", "pattern"] = "all"
+    nope_layers: bool = False
+    multipliers: bool = False
+    windowed_layers: Literal[
+        "all", "all_if_enabled", "from_max_window_layers", "pattern", "nope_if_enabled"
+    ] = "all"
     sliding_window_pattern: int | None = None
     reads_layer_types: bool = True
     qk_norm: bool = False
@@ -70,6 +84,8 @@ class ConfigRules:
             raise ValueError("windowed_layers='pattern' needs a sliding_window_pattern")
         if self.post_norm and self.sandwich_norm:
             raise ValueError("post_norm and sandwich_norm place the norms differently; give one")
+        if self.windowed_layers == "nope_if_enabled" and not self.nope_layers:
+            raise ValueError("windowed_layers='nope_if_enabled' needs nope_layers")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,11 @@ class AttentionSpec:
         `softcap=`.
     query_scale: "llama4": after RoPE the queries are multiplied by the family's
         get_llama_4_attn_scale of the position ids (Ministral 3), which the attention then
-        takes instead of them."""
+        takes instead of them.
+    output_dropout_attr: module attribute holding the dropout probability applied to o_proj's
+        output in training (seed_oss's residual_dropout).
+    rope_flag_attr: module attribute saying whether the layer rotates q and k at all (SmolLM3's
+        use_rope, false in its NoPE layers); None: every layer does."""
 
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
@@ -52,17 +56,22 @@ class AttentionSpec:
     sliding_window: Literal["module", "config"] | None = None
     softcap_attr: str | None = None
     query_scale: Literal["llama4"] | None = None
+    output_dropout_attr: str | None = None
+    rope_flag_attr: str | None = None
 
 
 @dataclass(frozen=True)
 class MlpSpec:
     """Gated MLP modules -> swiglu or geglu, picked by the config's activation name.
 
-    fused_gate_up: one gate_up_proj whose output halves are (gate, up) (phi3)."""
+    fused_gate_up: one gate_up_proj whose output halves are (gate, up) (phi3).
+    output_dropout_attr: module attribute holding the dropout probability applied to down_proj's
+        output in training (seed_oss's residual_dropout)."""
 
     classes: tuple[str, ...]
     activation_config_attr: str = "hidden_act"
     fused_gate_up: bool = False
+    output_dropout_attr: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,12 +80,17 @@ class CausalLMSpec:
     cross-entropy kernel).
 
     final_logit_softcapping: the family caps the logits with config.final_logit_softcapping.
-    moe_aux_loss: the family adds router_aux_loss_coef x the load-balancing loss (MoE)."""
+    moe_aux_loss: the family adds router_aux_loss_coef x the load-balancing loss (MoE).
+    logits_scaling: the family divides the logits by config.logits_scaling (Granite); the
+        patched loss divides the last hidden states instead, before lm_head (one hidden-sized
+        tensor rather than a logits-sized one; the same values where the divisor is a power of
+        two)."""
 
     classes: tuple[str, ...]
     base_model_attr: str = "model"
     final_logit_softcapping: bool = False
     moe_aux_loss: bool = False
+    logits_scaling: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,11 +111,14 @@ class DecoderLayerSpec:
     view, so their gradients are summed in the norm's backward instead of by autograd.
 
     branch_dropouts: dropout modules on the attention and MLP outputs before their adds (phi3).
-    final_norm_attr: the base model's norm after the last layer."""
+    final_norm_attr: the base model's norm after the last layer.
+    residual_multiplier_attr: the layer attribute both branch outputs are multiplied by before
+        their adds (Granite's residual_multiplier)."""
 
     classes: tuple[str, ...]
     branch_dropouts: tuple[str, str] | None = None
     final_norm_attr: str = "norm"
+    residual_multiplier_attr: str | None = None
 
 
 @dataclass(frozen=True)

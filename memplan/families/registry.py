@@ -425,5 +425,101 @@ FAMILIES: dict[str, Family] = {
             patch=_olmo_patch("olmo3", "Olmo3", sliding_window="module"),
             tiny_from="olmo-3-7b-instruct",
         ),
+        Family(
+            model_type="seed_oss",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 155136,
+                    "hidden_size": 4096,
+                    "intermediate_size": 27648,
+                    "num_hidden_layers": 64,
+                    "num_attention_heads": 80,
+                    "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "max_position_embeddings": 524288,
+                    "attention_bias": True,
+                    "attention_out_bias": False,
+                    "attention_dropout": 0.1,
+                    "residual_dropout": 0.1,
+                },
+                attention_bias="out_key",
+                mlp_bias=True,
+                residual_dropout_key="residual_dropout",
+            ),
+            patch=PatchSpec(
+                model_type="seed_oss",
+                norm=NormSpec(classes=("SeedOssRMSNorm",)),
+                attention=AttentionSpec(
+                    classes=("SeedOssAttention",), output_dropout_attr="residual_dropout"
+                ),
+                mlp=MlpSpec(classes=("SeedOssMLP",), output_dropout_attr="residual_dropout"),
+                causal_lm=CausalLMSpec(classes=("SeedOssForCausalLM",)),
+                decoder_layer=DecoderLayerSpec(classes=("SeedOssDecoderLayer",)),
+            ),
+            tiny_from="seed-oss-36b-instruct",
+        ),
+        Family(
+            model_type="smollm3",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 128256,
+                    "hidden_size": 2048,
+                    "intermediate_size": 11008,
+                    "num_hidden_layers": 36,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 4,
+                    "max_position_embeddings": 32768,
+                    "tie_word_embeddings": True,
+                    "use_sliding_window": False,
+                    "no_rope_layer_interval": 4,
+                },
+                mlp_bias=True,
+                nope_layers=True,
+                windowed_layers="nope_if_enabled",
+            ),
+            patch=PatchSpec(
+                model_type="smollm3",
+                norm=NormSpec(classes=("SmolLM3RMSNorm",)),
+                attention=AttentionSpec(
+                    classes=("SmolLM3Attention",),
+                    sliding_window="module",
+                    rope_flag_attr="use_rope",
+                ),
+                mlp=MlpSpec(classes=("SmolLM3MLP",)),
+                causal_lm=CausalLMSpec(classes=("SmolLM3ForCausalLM",)),
+                decoder_layer=DecoderLayerSpec(classes=("SmolLM3DecoderLayer",)),
+            ),
+            tiny_from="smollm3-3b",
+        ),
+        Family(
+            model_type="granite",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 32000,
+                    "hidden_size": 4096,
+                    "intermediate_size": 11008,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "max_position_embeddings": 2048,
+                    "embedding_multiplier": 1.0,
+                    "residual_multiplier": 1.0,
+                    "logits_scaling": 1.0,
+                },
+                mlp_bias=True,
+                multipliers=True,
+            ),
+            patch=PatchSpec(
+                model_type="granite",
+                norm=NormSpec(classes=("GraniteRMSNorm",)),
+                # attention_multiplier is the module's own scaling, passed on as it is
+                attention=AttentionSpec(classes=("GraniteAttention",)),
+                mlp=MlpSpec(classes=("GraniteMLP",)),
+                causal_lm=CausalLMSpec(classes=("GraniteForCausalLM",), logits_scaling=True),
+                decoder_layer=DecoderLayerSpec(
+                    classes=("GraniteDecoderLayer",), residual_multiplier_attr="residual_multiplier"
+                ),
+            ),
+            tiny_from="granite-3.3-8b-instruct",
+        ),
     )
 }

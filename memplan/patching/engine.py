@@ -503,6 +503,8 @@ def _plan_targets(
                 needed += ["q_norm", "k_norm"] if spec.attention.qk_norm else []
                 needed += [spec.attention.softcap_attr] if spec.attention.softcap_attr else []
                 needed += ["sliding_window"] if spec.attention.sliding_window == "module" else []
+                optional = (spec.attention.output_dropout_attr, spec.attention.rope_flag_attr)
+                needed += [attr for attr in optional if attr]
                 _require(module, needed)
                 eager = forwards.family_function(module, "eager_attention_forward")
                 scale = (
@@ -518,7 +520,8 @@ def _plan_targets(
                 projections = (
                     ("gate_up_proj",) if spec.mlp.fused_gate_up else ("gate_proj", "up_proj")
                 )
-                _require(module, (*projections, "down_proj"))
+                dropout = spec.mlp.output_dropout_attr
+                _require(module, (*projections, "down_proj", *([dropout] if dropout else [])))
                 glu_function = functions[glu]
                 if glu == "geglu":
                     activation = getattr(hf_model.config, spec.mlp.activation_config_attr)
@@ -539,6 +542,8 @@ def _plan_targets(
                 if spec.causal_lm.moe_aux_loss:
                     _require(module, ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))
                     forwards.family_function(module, "load_balancing_loss_func")
+                if spec.causal_lm.logits_scaling:
+                    _require(module.config, ("logits_scaling",))
                 kernels = forwards.LossKernels(
                     flce=functions.get("flce") if "flce" in loss_kernels else None,
                     cross_entropy=functions.get("cross_entropy"),
@@ -606,7 +611,9 @@ def _decoder_layer_targets(
         if not eligible(layer):
             continue
         try:
-            _require(layer, ("self_attn", "mlp", *(layer_spec.branch_dropouts or ())))
+            multiplier = layer_spec.residual_multiplier_attr
+            needed = ("self_attn", "mlp", *(layer_spec.branch_dropouts or ()))
+            _require(layer, (*needed, *([multiplier] if multiplier else [])))
         except AttributeError as exc:
             raise _layout_error(name, layer, spec, exc) from exc
         if index + 1 < len(layers):

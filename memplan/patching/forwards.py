@@ -111,14 +111,23 @@ def embedding_forward(embedding: Callable[..., torch.Tensor], scale_attr: str | 
     return forward
 
 
+def output_dropout(module: nn.Module, out: torch.Tensor, dropout_attr: str | None) -> torch.Tensor:
+    """A branch output through the dropout the family's own forward applies to it in training
+    (the probability in `dropout_attr` of the module), or as it is."""
+    if dropout_attr is None:
+        return out
+    return F.dropout(out, p=getattr(module, dropout_attr), training=module.training)
+
+
 def mlp_forward(
     spec: MlpSpec, glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ) -> Forward:
+    dropout_attr = spec.output_dropout_attr
     if spec.fused_gate_up:
 
         def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return glu(gate, up, down=self.down_proj)
+            return output_dropout(self, glu(gate, up, down=self.down_proj), dropout_attr)
 
     else:
         # gate and up are fresh projection outputs that nothing else reads (a Linear's backward
@@ -128,7 +137,8 @@ def mlp_forward(
         ) -> torch.Tensor:
             x_gate, x_up = projection_inputs.get(PROJECTION_INPUTS, (x, x))
             gate, up = self.gate_proj(x_gate), self.up_proj(x_up)
-            return glu(gate, up, in_place_backward=True, down=self.down_proj)
+            out = glu(gate, up, in_place_backward=True, down=self.down_proj)
+            return output_dropout(self, out, dropout_attr)
 
     return forward
 
@@ -173,6 +183,7 @@ def decoder_layer_forward(
     eps_attr = norm_spec.eps_attr
     options = _norm_options(norm_spec)
     dropouts = spec.branch_dropouts
+    multiplier_attr = spec.residual_multiplier_attr
 
     def normed(norm: nn.Module, x: torch.Tensor, inputs: int) -> tuple[torch.Tensor, ...]:
         return consumed_norm(x, norm.weight, getattr(norm, eps_attr), consumers=inputs, **options)
@@ -213,12 +224,16 @@ def decoder_layer_forward(
         )
         if dropouts is not None:
             attention_out = getattr(self, dropouts[0])(attention_out)
+        if multiplier_attr is not None:
+            attention_out = attention_out * getattr(self, multiplier_attr)
         residual, views = added_normed(
             self.post_attention_layernorm, residual, attention_out, wiring.mlp_inputs
         )
         mlp_out = self.mlp(views[0], **projection_inputs(views))
         if dropouts is not None:
             mlp_out = getattr(self, dropouts[1])(mlp_out)
+        if multiplier_attr is not None:
+            mlp_out = mlp_out * getattr(self, multiplier_attr)
 
         next_norm = wiring.next_norm
         if (
@@ -288,10 +303,13 @@ def attention_forward(
     eager: Callable,
     query_scale: Callable[..., torch.Tensor] | None = None,
 ) -> Forward:
-    """One attention forward for every family: project, (qk-norm), RoPE kernel, (the queries
-    times the family's position-dependent factor: `query_scale`, its get_llama_4_attn_scale,
-    where spec.query_scale says so), cache update, then transformers' attention interface
-    chosen by config._attn_implementation."""
+    """One attention forward for every family: project, (qk-norm), RoPE kernel (not in a layer
+    whose `rope_flag_attr` says it has none), (the queries times the family's
+    position-dependent factor: `query_scale`, its get_llama_4_attn_scale, where
+    spec.query_scale says so), cache update, then transformers' attention interface chosen by
+    config._attn_implementation."""
+    dropout_attr = spec.output_dropout_attr
+    rope_flag_attr = spec.rope_flag_attr
 
     def forward(
         self: nn.Module,
@@ -332,10 +350,12 @@ def attention_forward(
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
 
-        cos, sin = position_embeddings
-        # q and k are fresh projection (or qk-norm) outputs that nothing saved: rotated in
-        # place, except as slices of a fused qkv output, which attention would then keep whole.
-        query, key = _rotate(rope, query, key, cos, sin, in_place=spec.qkv != "fused")
+        if rope_flag_attr is None or getattr(self, rope_flag_attr):
+            cos, sin = position_embeddings
+            # q and k are fresh projection (or qk-norm) outputs that nothing saved: rotated in
+            # place, except as slices of a fused qkv output, which attention would then keep
+            # whole.
+            query, key = _rotate(rope, query, key, cos, sin, in_place=spec.qkv != "fused")
         if query_scale is not None:
             # as the family's forward: position_ids are its own argument, not the interface's
             rope_parameters = self.config.rope_parameters
@@ -370,7 +390,7 @@ def attention_forward(
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return output_dropout(self, self.o_proj(attn_output), dropout_attr), attn_weights
 
     return forward
 
@@ -493,6 +513,7 @@ def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernel
             kernels,
             ignore_index=ignore_index,
             softcap=softcap,
+            logits_scaling=self.config.logits_scaling if spec.logits_scaling else None,
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             prefetched=prefetched,
         )
@@ -572,10 +593,15 @@ def _loss(
     softcap: float | None,
     num_items_in_batch: Any,
     prefetched: Any = None,
+    logits_scaling: float | None = None,
 ) -> torch.Tensor:
     """The loss of the causal LM's last hidden states; `prefetched`: FLCE's target flags copied
-    at the forward's start (memplan.kernels.fused_linear_cross_entropy.prefetch_targets)."""
+    at the forward's start (memplan.kernels.fused_linear_cross_entropy.prefetch_targets);
+    `logits_scaling`: the divisor of the logits, applied to the hidden states (lm_head is
+    linear), where it is not 1."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
+    if logits_scaling is not None and logits_scaling != 1:
+        hidden = hidden / logits_scaling
     # FLCE needs the projection's weight; an adapter-wrapped lm_head (PEFT modules_to_save, LoRA)
     # is called as a module and its logits go to the cross-entropy kernel instead.
     if kernels.flce is not None and plain_linear(lm_head):

@@ -27,10 +27,12 @@ estimators/contracts.py (attention_saved, sdpa_math_path) encodes:
 The wrapper around the kernels (attention.cpp, scaled_dot_product_attention) is reproduced too:
 a boolean mask becomes an additive mask in q's dtype (a new tensor every call, saved by the
 kernel), flash pads head dims to a multiple of 8, the memory-efficient kernel pads the mask's
-last dimension to a multiple of 8."""
+last dimension to a multiple of 8. The math path with dropout runs its composite ops here, so
+that its dropout is CUDA's fused one."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -206,10 +208,47 @@ def route(
             query, key, value, attn_mask, requires_grad, dropout_p, is_causal, scale=scale
         )[0]
         return kernel, out
+    if dropout_p > 0 and requires_grad:
+        return kernel, _math_with_fused_dropout(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )
     out = aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )[0]
     return kernel, out
+
+
+def _math_with_fused_dropout(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """_scaled_dot_product_attention_math's composite ops (attention.cpp), with its dropout
+    CUDA's fused native_dropout (a bool mask saved): on meta tensors at::dropout would multiply
+    by a noise tensor of the probabilities' dtype instead, as it does on the CPU."""
+    factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
+    if is_causal:
+        causal = torch.ones(
+            query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device
+        ).tril()
+        zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device)
+        attn_mask = torch.where(causal.logical_not(), float("-inf"), zero)
+    if enable_gqa:
+        groups = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(groups, -3)
+        value = value.repeat_interleave(groups, -3)
+    scores = (query * factor) @ (key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        scores.add_(attn_mask)
+    probs = aten._safe_softmax(scores, -1)
+    if dropout_p > 0:
+        probs = torch.native_dropout(probs, dropout_p, True)[0]
+    return probs @ value
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, kernel: Kernel) -> torch.Tensor:

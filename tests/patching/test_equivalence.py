@@ -12,7 +12,7 @@ import torch
 
 import memplan.patching as mp
 
-from .tiny_models import FAMILIES, batch, build, lockstep, pair, rel_err
+from .tiny_models import FAMILIES, assert_grads_close, batch, build, lockstep, pair, rel_err
 
 # Triton's CPU interpreter casts fp32 -> bf16 by truncation, not round-to-nearest (measured with
 # triton 3.9: half of the values differ from torch's cast, all toward zero), which doubles the
@@ -69,6 +69,64 @@ def test_training_matches_hf_bf16(family):
         with torch.no_grad():
             losses.append(model(**batch(seed=1)).loss)
     assert rel_err(losses[1], losses[0]) <= 1e-2
+
+
+@pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.slow)])
+def test_dropout_drops_what_hf_drops(attn):
+    """seed_oss drops attention probabilities and the attention and MLP outputs in training:
+    from the same random state, patched and unpatched models drop the same elements (the same
+    loss and gradients), and the dropout changes the loss."""
+    reference, patched = pair("seed_oss", dropout=True)
+    for model in (reference, patched):
+        model.set_attn_implementation(attn)
+    assert reference.config.attention_dropout > 0 and reference.config.residual_dropout > 0
+    mp.apply(patched)
+    inputs = batch()
+    losses = []
+    for model in (reference, patched):
+        torch.manual_seed(0)
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert rel_err(losses[1], losses[0]) <= 1e-5
+    assert_grads_close(reference, patched, 1e-5)
+    reference.eval()
+    with torch.no_grad():
+        assert rel_err(reference(**inputs).loss, losses[0]) > 1e-3
+
+
+def test_layers_without_rope_are_not_rotated(monkeypatch):
+    """smollm3's layers without RoPE (use_rope 0) attend with q and k as projected: patched, the
+    RoPE kernel runs in the other layers only and the model trains as HF's does."""
+    import memplan.kernels.rope as rope_module
+
+    calls = []
+    rope = rope_module.rope
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return rope(*args, **kwargs)
+
+    monkeypatch.setattr(rope_module, "rope", counting)
+    reference, patched = pair("smollm3")
+    assert [layer.self_attn.use_rope for layer in reference.model.layers] == [1, 0]
+    assert "rope" in mp.apply(patched).kernels
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "loss_kernel", ["flce", pytest.param("cross_entropy", marks=pytest.mark.slow)]
+)
+def test_logits_scaling_divides_the_hidden_states(loss_kernel):
+    """granite divides its logits by logits_scaling (16, a power of two): memplan's loss divides
+    the hidden states before lm_head instead, and trains as HF does; with each residual
+    multiplied by residual_multiplier in the patched layers."""
+    reference, patched = pair("granite")
+    assert reference.config.logits_scaling == 16 and reference.config.residual_multiplier != 1
+    applied = mp.apply(patched, kernels=["rms_norm", "rope", "swiglu", loss_kernel])
+    assert loss_kernel in applied.kernels
+    lockstep(reference, patched, steps=2, loss_tol=1e-6, grad_tol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,9 @@ PRE_NORM_FAMILIES = (
     "phi3",
     "mixtral",
     "qwen3_moe",
+    "seed_oss",
+    "smollm3",
+    "granite",
 )
 # Norms after attention and the MLP: before them too (sandwich, Gemma 2/3) or only there (OLMo 2/3)
 POST_NORM_FAMILIES = ("gemma2", "gemma3_text", "olmo2", "olmo3")

@@ -36,15 +36,22 @@ def shrink(
     window: int = 8,
     experts: int = 4,
     moe_intermediate: int = 32,
+    dropout: bool = False,
     **overrides,
 ) -> dict:
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
-    sequences (so it matters), alternating sliding/full layers for Gemma 2/3 and OLMo 3, fewer
-    experts, Ministral 3's query factor past the fourth position."""
+    sequences (so it matters), alternating sliding/full layers for Gemma 2/3 and OLMo 3, layers
+    with and without RoPE for SmolLM3, fewer experts, Ministral 3's query factor past the fourth
+    position.
+    Without `dropout` the family's dropouts are off, so that two models of it compute the same
+    in training whatever random numbers each draws."""
     sizes = TINY if sizes is None else sizes
     config = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
     config.update(sizes)
+    if not dropout:
+        residual_key = _REGISTRY[config["model_type"]].config.residual_dropout_key
+        config.update({key: 0.0 for key in ("attention_dropout", residual_key) if key})
     for key, small in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if config.get(key) is not None:
             config[key] = small
@@ -55,6 +62,11 @@ def shrink(
     if config["model_type"] in ("gemma2", "gemma3_text", "olmo3"):
         kinds = ("sliding_attention", "full_attention")
         config["layer_types"] = [kinds[i % 2] for i in range(config["num_hidden_layers"])]
+    if "no_rope_layers" in config:  # smollm3: RoPE in even layers only; its config derives
+        # the layer types from these
+        layers = overrides.get("num_hidden_layers", config["num_hidden_layers"])
+        config["no_rope_layers"] = [int(i % 2 == 0) for i in range(layers)]
+        config.pop("layer_types", None)
     if "num_local_experts" in config:  # mixtral
         config["num_local_experts"] = experts
     if "num_experts" in config:  # qwen3_moe; its last layer dense, so that MLP takes the GLU

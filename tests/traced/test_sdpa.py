@@ -163,3 +163,43 @@ def test_kernel_choice_is_the_gpu_s(index: int) -> None:
     ][index]
     capability, cudnn = torch.cuda.get_device_capability(), torch.backends.cudnn.version()
     assert choose_kernel(sdpa, capability, cudnn) == cuda_choice(sdpa)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_math_path_with_dropout_keeps_what_the_math_kernel_keeps_and_a_bool_mask(causal):
+    """The traced math path with dropout runs attention.cpp's composite ops itself, so that its
+    dropout is CUDA's fused one: on real CPU tensors it saves what the math kernel saves without
+    dropout, and with dropout the bool mask and the dropped probabilities besides."""
+    from memplan.traced.sdpa import _math_with_fused_dropout
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
+    mask = None if causal else torch.randn(2, 1, 16, 16)
+    gqa = mask is None
+    if not gqa:
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+
+    def saved(fn) -> tuple[torch.Tensor, list[tuple[int, torch.dtype]]]:
+        """The output, and the bytes and dtype of each storage autograd saves."""
+        kept = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return out, sorted(kept.values(), key=str)
+
+    ref, kept_ref = saved(
+        lambda: torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, mask, 0.0, causal, None, scale=0.3, enable_gqa=gqa
+        )[0]
+    )
+    out, kept = saved(lambda: _math_with_fused_dropout(q, k, v, mask, 0.0, causal, 0.3, gqa))
+    assert torch.allclose(out, ref, atol=1e-6) and kept == kept_ref
+    _, kept_dropout = saved(lambda: _math_with_fused_dropout(q, k, v, mask, 0.1, causal, 0.3, gqa))
+    scores = 2 * 4 * 16 * 16
+    extra = [(scores, torch.bool), (scores * 4, torch.float32)]
+    assert sorted(kept + extra, key=str) == kept_dropout
