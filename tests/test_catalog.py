@@ -113,6 +113,14 @@ def test_known_values_of_a_few_checkpoints():
     assert olmo2.post_norm and not olmo2.sandwich_norm and olmo2.rope_in_fp32
     assert (olmo2.qk_norm, olmo2.qk_norm_scope, olmo2.head_dim) == (True, "projection", 128)
     assert olmo2.layer_types is None and olmo2.rope_tables == 1 and olmo2.use_cache
+    exaone = resolve_model("exaone-4.0-32b")
+    assert (exaone.num_hidden_layers, exaone.head_dim, exaone.sliding_window) == (64, 128, 4096)
+    assert exaone.post_norm and exaone.qk_norm and exaone.qk_norm_scope == "head"
+    assert (
+        exaone.nope_layers
+        == tuple(range(3, 64, 4))
+        == tuple(i for i, kind in enumerate(exaone.layer_types) if kind == "full_attention")
+    )
     olmo3 = resolve_model("olmo-3-32b-think")
     assert (olmo3.num_key_value_heads, olmo3.sliding_window, olmo3.rope_tables) == (8, 4096, 2)
     assert olmo3.layer_types.count("full_attention") == 64 // 4 and not olmo3.use_cache
@@ -389,6 +397,14 @@ def test_a_long_bad_value_is_cut_short():
         ({"model_type": "smollm3", "no_rope_layers": [True, False], **WINDOWED,
           "layer_types": ["full_attention", "sliding_attention"]},
          {"nope_layers": (1,), "layer_types": ("full_attention", "sliding_attention")}),
+        # EXAONE 4 rotates only in its sliding layers where a window is set
+        ({"model_type": "exaone4", "num_hidden_layers": 4},
+         {"nope_layers": (3,), "sliding_window": 4096}),
+        ({"model_type": "exaone4", "num_hidden_layers": 2, "sliding_window_pattern": 1},
+         {"nope_layers": (0, 1), "sliding_window": None, "layer_types": None}),
+        ({"model_type": "exaone4", "sliding_window": None,
+          "layer_types": ["full_attention", "sliding_attention"]},
+         {"nope_layers": (), "sliding_window": None, "layer_types": None}),
         ({"model_type": "granite"},
          {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}),
         ({"model_type": "granite", "logits_scaling": 8},

@@ -67,6 +67,12 @@ FAMILIES = {
     "olmo2": {},
     # one sliding and one full layer: a cos/sin pair each, the window reached at seq 64
     "olmo3": {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+    # a sliding layer that rotates and a full one without RoPE, the window reached at seq 64
+    "exaone4": {
+        "head_dim": 64,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
 }
 
 
@@ -93,6 +99,7 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
             "seed_oss",
             "smollm3",
             "granite",
+            "exaone4",
         )
     },
     "phi3": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("o_proj",)),

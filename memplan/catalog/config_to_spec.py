@@ -85,6 +85,8 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         _check_llama4_scale(cfg, model_type)
     nope_layers = _nope_layers(rules, cfg, layers)
     sliding_window, layer_types = _attention_windows(rules, cfg, layers, nope_layers)
+    if rules.nope_full_layers:
+        nope_layers = _full_attention_layers(rules, cfg, layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
 
     fields = {
@@ -341,6 +343,18 @@ def _nope_layers(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[
             f"a list of at least {layers} entries, each 0 or 1",
         )
     return tuple(i for i in range(layers) if not flags[i])
+
+
+def _full_attention_layers(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """The full-attention layers where a sliding window is set (all of them if no layer
+    slides), none without a window: EXAONE 4 rotates only in its sliding layers."""
+    if _optional_positive_int(cfg, "sliding_window") is None:
+        return ()
+    if cfg.get("layer_types") is not None:
+        types = _layer_types(cfg, layers)
+    else:
+        types = _pattern_layer_types(rules, cfg, layers)
+    return tuple(i for i, kind in enumerate(types) if kind == "full_attention")
 
 
 def _attention_windows(

@@ -45,6 +45,8 @@ class ConfigRules:
         (Ministral 3).
     nope_layers: some layers apply no RoPE: those no_rope_layers marks 0, else every
         no_rope_layer_interval-th layer (SmolLM3).
+    nope_full_layers: where sliding_window is set, the full-attention layers apply no RoPE
+        (EXAONE 4's global NoPE); without a window every layer rotates.
     multipliers: the model multiplies the embedding by embedding_multiplier and each branch
         output by residual_multiplier, and divides the logits by logits_scaling (Granite).
     residual_dropout_key: the config key of the dropout on the attention and MLP outputs before
@@ -63,6 +65,7 @@ class ConfigRules:
     residual_dropout_key: str | None = None
     mlp_bias: bool = False  # whether the config's mlp_bias is read (otherwise no MLP bias)
     nope_layers: bool = False
+    nope_full_layers: bool = False
     multipliers: bool = False
     windowed_layers: Literal[
         "all", "all_if_enabled", "from_max_window_layers", "pattern", "nope_if_enabled"
@@ -84,6 +87,8 @@ class ConfigRules:
             raise ValueError("windowed_layers='pattern' needs a sliding_window_pattern")
         if self.post_norm and self.sandwich_norm:
             raise ValueError("post_norm and sandwich_norm place the norms differently; give one")
+        if self.nope_layers and self.nope_full_layers:
+            raise ValueError("nope_layers and nope_full_layers pick the NoPE layers; give one")
         if self.windowed_layers == "nope_if_enabled" and not self.nope_layers:
             raise ValueError("windowed_layers='nope_if_enabled' needs nope_layers")
 

@@ -47,7 +47,10 @@ class AttentionSpec:
     output_dropout_attr: module attribute holding the dropout probability applied to o_proj's
         output in training (seed_oss's residual_dropout).
     rope_flag_attr: module attribute saying whether the layer rotates q and k at all (SmolLM3's
-        use_rope, false in its NoPE layers); None: every layer does."""
+        use_rope, false in its NoPE layers); None: every layer does.
+    sliding_flag_attr: module attribute saying whether the layer slides (EXAONE 4's is_sliding,
+        beside a window set on every layer): the window is passed only where it is true, and
+        where the module has a window only those layers rotate q and k; None: no such flag."""
 
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
@@ -58,6 +61,7 @@ class AttentionSpec:
     query_scale: Literal["llama4"] | None = None
     output_dropout_attr: str | None = None
     rope_flag_attr: str | None = None
+    sliding_flag_attr: str | None = None
 
 
 @dataclass(frozen=True)

@@ -521,5 +521,39 @@ FAMILIES: dict[str, Family] = {
             ),
             tiny_from="granite-3.3-8b-instruct",
         ),
+        Family(
+            model_type="exaone4",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 102400,
+                    "hidden_size": 4096,
+                    "intermediate_size": 16384,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 32,
+                    "num_key_value_heads": 32,
+                    "max_position_embeddings": 2048,
+                    "sliding_window": 4096,
+                },
+                qk_norm=True,
+                post_norm=True,
+                nope_full_layers=True,
+                windowed_layers="pattern",
+                sliding_window_pattern=4,
+            ),
+            patch=PatchSpec(
+                model_type="exaone4",
+                norm=NormSpec(classes=("Exaone4RMSNorm",), in_place_backward=False),
+                attention=AttentionSpec(
+                    classes=("Exaone4Attention",),
+                    qk_norm=True,
+                    sliding_window="module",
+                    sliding_flag_attr="is_sliding",
+                ),
+                mlp=MlpSpec(classes=("Exaone4MLP",)),
+                causal_lm=CausalLMSpec(classes=("Exaone4ForCausalLM",)),
+                notes=_POST_NORM_KEPT,
+            ),
+            tiny_from="exaone-4.0-32b",
+        ),
     )
 }

@@ -503,7 +503,11 @@ def _plan_targets(
                 needed += ["q_norm", "k_norm"] if spec.attention.qk_norm else []
                 needed += [spec.attention.softcap_attr] if spec.attention.softcap_attr else []
                 needed += ["sliding_window"] if spec.attention.sliding_window == "module" else []
-                optional = (spec.attention.output_dropout_attr, spec.attention.rope_flag_attr)
+                optional = (
+                    spec.attention.output_dropout_attr,
+                    spec.attention.rope_flag_attr,
+                    spec.attention.sliding_flag_attr,
+                )
                 needed += [attr for attr in optional if attr]
                 _require(module, needed)
                 eager = forwards.family_function(module, "eager_attention_forward")

@@ -310,6 +310,19 @@ def attention_forward(
     config._attn_implementation."""
     dropout_attr = spec.output_dropout_attr
     rope_flag_attr = spec.rope_flag_attr
+    sliding_flag_attr = spec.sliding_flag_attr
+
+    def rotates(module: nn.Module) -> bool:
+        if rope_flag_attr is not None and not getattr(module, rope_flag_attr):
+            return False
+        if sliding_flag_attr is None or module.sliding_window is None:
+            return True
+        return bool(getattr(module, sliding_flag_attr))
+
+    def window(module: nn.Module) -> int | None:
+        if sliding_flag_attr is not None and not getattr(module, sliding_flag_attr):
+            return None
+        return module.sliding_window
 
     def forward(
         self: nn.Module,
@@ -350,7 +363,7 @@ def attention_forward(
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
 
-        if rope_flag_attr is None or getattr(self, rope_flag_attr):
+        if rotates(self):
             cos, sin = position_embeddings
             # q and k are fresh projection (or qk-norm) outputs that nothing saved: rotated in
             # place, except as slices of a fused qkv output, which attention would then keep
@@ -371,7 +384,7 @@ def attention_forward(
 
         options: dict[str, Any] = {}
         if spec.sliding_window == "module":
-            options["sliding_window"] = self.sliding_window
+            options["sliding_window"] = window(self)
         elif spec.sliding_window == "config":
             options["sliding_window"] = getattr(self.config, "sliding_window", None)
         if spec.softcap_attr is not None:

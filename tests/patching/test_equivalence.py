@@ -95,12 +95,10 @@ def test_dropout_drops_what_hf_drops(attn):
         assert rel_err(reference(**inputs).loss, losses[0]) > 1e-3
 
 
-def test_layers_without_rope_are_not_rotated(monkeypatch):
-    """smollm3's layers without RoPE (use_rope 0) attend with q and k as projected: patched, the
-    RoPE kernel runs in the other layers only and the model trains as HF's does."""
+def rope_calls(monkeypatch) -> list[int]:
     import memplan.kernels.rope as rope_module
 
-    calls = []
+    calls: list[int] = []
     rope = rope_module.rope
 
     def counting(*args, **kwargs):
@@ -108,11 +106,38 @@ def test_layers_without_rope_are_not_rotated(monkeypatch):
         return rope(*args, **kwargs)
 
     monkeypatch.setattr(rope_module, "rope", counting)
+    return calls
+
+
+def test_layers_without_rope_are_not_rotated(monkeypatch):
+    """smollm3's layers without RoPE (use_rope 0) attend with q and k as projected: patched, the
+    RoPE kernel runs in the other layers only and the model trains as HF's does."""
+    calls = rope_calls(monkeypatch)
     reference, patched = pair("smollm3")
     assert [layer.self_attn.use_rope for layer in reference.model.layers] == [1, 0]
     assert "rope" in mp.apply(patched).kernels
     lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
     assert len(calls) == 1
+
+
+# HF builds no model with sliding layers and no window (its masks need one): full layers there
+@pytest.mark.parametrize(
+    ("window", "kinds", "rotated"),
+    [(8, ("sliding_attention", "full_attention"), 1), (None, ("full_attention",) * 2, 2)],
+)
+def test_exaone4_rotates_only_its_sliding_layers_where_a_window_is_set(
+    monkeypatch, window, kinds, rotated
+):
+    """EXAONE 4's full-attention layers apply no RoPE where the config sets a window (global
+    NoPE), and every layer rotates without one; patched, the window reaches the sliding layer
+    only, and the model trains as HF's does."""
+    calls = rope_calls(monkeypatch)
+    reference, patched = pair("exaone4", sliding_window=window, layer_types=list(kinds))
+    sliding = [layer.self_attn.is_sliding for layer in reference.model.layers]
+    assert sliding == [kind == "sliding_attention" for kind in kinds]
+    assert "rope" in mp.apply(patched).kernels
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
+    assert len(calls) == rotated
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,8 @@ from .tiny_models import assert_grads_close, batch, build, lockstep, pair, rel_e
         ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]),
         # q and k normalized over the whole projection, after their adapters
         pytest.param("olmo2", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
+        # q and k normalized per head after their adapters, RoPE in the sliding layer only
+        pytest.param("exaone4", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
     ],
 )
 def test_peft_lora_model_trains_like_hf(family, targets):

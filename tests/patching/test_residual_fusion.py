@@ -33,8 +33,9 @@ PRE_NORM_FAMILIES = (
     "smollm3",
     "granite",
 )
-# Norms after attention and the MLP: before them too (sandwich, Gemma 2/3) or only there (OLMo 2/3)
-POST_NORM_FAMILIES = ("gemma2", "gemma3_text", "olmo2", "olmo3")
+# Norms after attention and the MLP: before them too (sandwich, Gemma 2/3) or only there (OLMo 2/3,
+# EXAONE 4)
+POST_NORM_FAMILIES = ("gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4")
 
 
 @pytest.fixture

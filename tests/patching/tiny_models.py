@@ -41,9 +41,9 @@ def shrink(
 ) -> dict:
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
-    sequences (so it matters), alternating sliding/full layers for Gemma 2/3 and OLMo 3, layers
-    with and without RoPE for SmolLM3, fewer experts, Ministral 3's query factor past the fourth
-    position.
+    sequences (so it matters), alternating sliding/full layers for Gemma 2/3, OLMo 3 and EXAONE 4
+    (whose full layers apply no RoPE), layers with and without RoPE for SmolLM3, fewer experts,
+    Ministral 3's query factor past the fourth position.
     Without `dropout` the family's dropouts are off, so that two models of it compute the same
     in training whatever random numbers each draws."""
     sizes = TINY if sizes is None else sizes
@@ -59,7 +59,7 @@ def shrink(
         config["sliding_window"] = window
     if "query_pre_attn_scalar" in config:
         config["query_pre_attn_scalar"] = config["head_dim"]
-    if config["model_type"] in ("gemma2", "gemma3_text", "olmo3"):
+    if config["model_type"] in ("gemma2", "gemma3_text", "olmo3", "exaone4"):
         kinds = ("sliding_attention", "full_attention")
         config["layer_types"] = [kinds[i % 2] for i in range(config["num_hidden_layers"])]
     if "no_rope_layers" in config:  # smollm3: RoPE in even layers only; its config derives

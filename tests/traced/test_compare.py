@@ -50,12 +50,15 @@ VARIANTS = {
     "smollm3": {"precision": "amp-bf16"},
     # peft's leaf, the embedding's output, is a tensor of its own beside the multiplied one
     "granite": {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    # full layers without RoPE keep q and k in bf16 under autocast, post-norm's fp32 products
+    "exaone4": {"precision": "amp-bf16"},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
 # dropout with LoRA on the projections before it, and recomputed under checkpointing;
 # smollm3's windows on its layers without RoPE, and their KV cache (k in bf16 there); granite's
-# divided logits under autocast.
+# divided logits under autocast; exaone4's NoPE full layers under checkpointing (and amp), LoRA
+# and without a window.
 EXTRA_VARIANTS = [
     ("olmo2", {}, {"precision": "amp-bf16"}),
     (
@@ -69,6 +72,11 @@ EXTRA_VARIANTS = [
     # the first (sliding) layer saves no rotation: its cos/sin pair is freed
     ("olmo3", {}, {"lora_rank": 16, "lora_targets": ("gate_proj", "up_proj", "down_proj")}),
     ("olmo3", {}, {"lora_rank": 16, "lora_targets": ("k_proj", "o_proj"), "precision": "amp-bf16"}),
+    ("exaone4", {}, {"grad_checkpointing": True}),
+    ("exaone4", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
+    ("exaone4", {}, {"grad_checkpointing": True, "precision": "amp-bf16"}),
+    # no window: every layer rotates
+    ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}, {}),
     ("granite", {}, {"precision": "amp-bf16"}),
     ("seed_oss", {}, {"lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
     ("seed_oss", {}, {"grad_checkpointing": True}),
