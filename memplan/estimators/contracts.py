@@ -130,6 +130,14 @@ class LayerContext:
         return self.hf_rope and not self.spec.rope_in_fp32
 
     @property
+    def keys_in_residual_dtype(self) -> bool:
+        """k reaches attention and the KV cache in the residual stream's dtype: out of HF's RoPE
+        (rotated_in_cos_dtype) or, in a layer without RoPE, out of a Llama-cast k_norm, whose
+        weight (fp32 under autocast) multiplies last (EXAONE 4's full layers)."""
+        llama_cast_k_norm = self.spec.qk_norm and not gemma_norms(self.spec)
+        return self.rotated_in_cos_dtype or (not self.rope and llama_cast_k_norm)
+
+    @property
     def seq(self) -> int:
         return self.setup.seq
 
@@ -344,7 +352,7 @@ def repeat_is_view(ctx: LayerContext) -> bool:
     and v as they are, unless autocast casts them to a full-size copy (HF's RoPE leaves k in
     fp32 under autocast): CPU and H200 probes, gemma3 with kv = 1."""
     return ctx.spec.num_key_value_heads == 1 and not (
-        ctx.dtypes.autocast and ctx.rotated_in_cos_dtype
+        ctx.dtypes.autocast and ctx.keys_in_residual_dtype
     )
 
 

@@ -505,24 +505,24 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
 
 
 def kv_cache_dtypes(
-    setup: TrainSetup, dtypes: DtypePlan, rotated_in_cos_dtype: bool = True
+    setup: TrainSetup, dtypes: DtypePlan, keys_in_residual_dtype: bool = True
 ) -> tuple[int, int]:
-    """Bytes per element of a layer's KV cache keys and values. k after HF's RoPE takes the dtype
-    of cos/sin, the residual's (fp32 under autocast), where `rotated_in_cos_dtype`
-    (LayerContext.rotated_in_cos_dtype: not under memplan's RoPE, OLMo's, or in a layer without
-    RoPE, which keep k's); the values take the keys' dtype before transformers 5.24 (the cache
-    was made from the keys' dtype), their own (the projection's) after."""
-    key = dtypes.residual if rotated_in_cos_dtype else dtypes.proj
+    """Bytes per element of a layer's KV cache keys and values. k takes the residual's dtype (fp32
+    under autocast) where `keys_in_residual_dtype` (LayerContext.keys_in_residual_dtype: after
+    HF's RoPE, not memplan's or OLMo's; in a layer without RoPE, after a Llama-cast k_norm
+    only), the projection's otherwise; the values take the keys' dtype before transformers 5.24
+    (the cache was made from the keys' dtype), their own (the projection's) after."""
+    key = dtypes.residual if keys_in_residual_dtype else dtypes.proj
     value = key if Release.of(setup.transformers).kv_values_in_key_dtype else dtypes.proj
     return key, value
 
 
 def kv_cache_tensors(
-    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, rotated_in_cos_dtype: bool = True
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, keys_in_residual_dtype: bool = True
 ) -> tuple[int, int]:
     """The bytes of one layer's KV cache entries, keys then values (kv_cache_dtypes)."""
     elements = setup.batch * setup.seq * spec.num_key_value_heads * spec.head_dim
-    key, value = kv_cache_dtypes(setup, dtypes, rotated_in_cos_dtype)
+    key, value = kv_cache_dtypes(setup, dtypes, keys_in_residual_dtype)
     return round_block(elements * key), round_block(elements * value)
 
 
@@ -533,9 +533,9 @@ def kv_cache_added(
     adds to the forward's memory (contracts.kv_cache_shares_saved)."""
     added = []
     for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
-        tensors = kv_cache_tensors(spec, setup, dtypes, ctx.rotated_in_cos_dtype)
+        tensors = kv_cache_tensors(spec, setup, dtypes, ctx.keys_in_residual_dtype)
         shared = kv_cache_shares_saved(
-            ctx, *kv_cache_dtypes(setup, dtypes, ctx.rotated_in_cos_dtype)
+            ctx, *kv_cache_dtypes(setup, dtypes, ctx.keys_in_residual_dtype)
         )
         added.append([n for n, kept in zip(tensors, shared, strict=True) if not kept])
     return added

@@ -148,6 +148,16 @@ def test_attention_dropout_on_the_math_path_agrees_in_forward() -> None:
     assert abs(rows["forward peak"]) < 0.06 and abs(rows["loss peak"]) < 0.06, rows
 
 
+@pytest.mark.slow
+def test_exaone4_keys_without_rope_are_cached_in_fp32_under_autocast() -> None:
+    """exaone4's full layers apply no RoPE: k leaves its Llama-cast k_norm in the fp32 weight's
+    dtype under autocast, and the KV cache keeps it (and, before transformers 5.24, v) so; the
+    loss phase, after the last (full) layer, agrees."""
+    result = compare(small_spec("exaone4"), TrainSetup(batch=4, seq=1024, precision="amp-bf16"))
+    rows = {row.what: row.difference_pct for row in result.rows}
+    assert abs(rows["loss peak"]) < 0.06, rows
+
+
 # two processes that import transformers (about 5 s each); the comparison they print is
 # test_contracts_agree_with_the_traced_step's
 @pytest.mark.slow
