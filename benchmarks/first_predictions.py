@@ -142,6 +142,25 @@ def measure_predicted(
     return report
 
 
+def measure_into(args: argparse.Namespace, results_name: str, label: str) -> int:
+    """`measure`: the predictions file's cases into DIR/`results_name`, ranks as asked."""
+    measure_predicted(
+        Path(args.predictions),
+        Path(args.out_dir) / results_name,
+        label=label,
+        only=args.only,
+        timeout_s=args.timeout,
+        say=lambda item, m: f"{m.status} {m.error or ''} {m.error_pct}",
+        ranks=args.ranks,
+    )
+    return 0
+
+
+def table(args: argparse.Namespace) -> int:
+    """`table`: print_table of the command line's predictions and results files."""
+    return print_table(Path(args.predictions), Path(args.results))
+
+
 def main(
     doc: str,
     predict: Callable[[argparse.Namespace], int],

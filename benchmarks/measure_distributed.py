@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.first_predictions import (  # noqa: E402
     main,
-    measure_predicted,
-    print_table,
+    measure_into,
+    table,
     write_predictions,
 )
 from memplan.advisor import advise  # noqa: E402
@@ -199,20 +199,11 @@ def predict(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    measure_predicted(
-        Path(args.predictions),
-        Path(args.out_dir) / "distributed_results.json",
-        label="rank 0 of FSDP2 (fake process group) and DDP (one rank), one GPU",
-        only=args.only,
-        timeout_s=args.timeout,
-        say=lambda item, m: f"{m.status} {m.error or ''} {m.error_pct}",
-        ranks=args.ranks,
+    return measure_into(
+        args,
+        "distributed_results.json",
+        "rank 0 of FSDP2 (fake process group) and DDP (one rank), one GPU",
     )
-    return 0
-
-
-def table(args: argparse.Namespace) -> int:
-    return print_table(Path(args.predictions), Path(args.results))
 
 
 if __name__ == "__main__":

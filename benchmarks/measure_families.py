@@ -22,8 +22,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.first_predictions import (  # noqa: E402
     main,
-    measure_predicted,
-    print_table,
+    measure_into,
+    table,
     write_predictions,
 )
 from memplan.advisor import advise  # noqa: E402
@@ -62,19 +62,7 @@ def predict(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    measure_predicted(
-        Path(args.predictions),
-        Path(args.out_dir) / "families_results.json",
-        label="the registry's new families, one GPU",
-        only=args.only,
-        timeout_s=args.timeout,
-        say=lambda item, m: f"{m.status} {m.error or ''} {m.error_pct}",
-    )
-    return 0
-
-
-def table(args: argparse.Namespace) -> int:
-    return print_table(Path(args.predictions), Path(args.results))
+    return measure_into(args, "families_results.json", "the registry's new families, one GPU")
 
 
 if __name__ == "__main__":

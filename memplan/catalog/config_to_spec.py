@@ -85,8 +85,6 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         _check_llama4_scale(cfg, model_type)
     nope_layers = _nope_layers(rules, cfg, layers)
     sliding_window, layer_types = _attention_windows(rules, cfg, layers, nope_layers)
-    if rules.nope_full_layers:
-        nope_layers = _full_attention_layers(rules, cfg, layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
 
     fields = {
@@ -329,7 +327,10 @@ def _multipliers(rules: ConfigRules, cfg: dict[str, Any]) -> dict[str, float | N
 
 def _nope_layers(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
     """The layers that apply no RoPE: the 0 entries of no_rope_layers (one per layer at least),
-    else every no_rope_layer_interval-th layer, as SmolLM3Config derives them."""
+    else every no_rope_layer_interval-th layer, as SmolLM3Config derives them; EXAONE 4's full
+    layers (_full_attention_layers)."""
+    if rules.nope_full_layers:
+        return _full_attention_layers(rules, cfg, layers)
     if not rules.nope_layers:
         return ()
     if cfg.get("no_rope_layers") is None:

@@ -19,23 +19,14 @@ from memplan.patching import engine, forwards
 
 from .tiny_models import batch, build, lockstep, pair, rel_err
 
-PRE_NORM_FAMILIES = (
-    "llama",
-    "mistral",
-    "ministral3",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "phi3",
-    "mixtral",
-    "qwen3_moe",
-    "seed_oss",
-    "smollm3",
-    "granite",
-)
 # Norms after attention and the MLP: before them too (sandwich, Gemma 2/3) or only there (OLMo 2/3,
-# EXAONE 4)
-POST_NORM_FAMILIES = ("gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4")
+# EXAONE 4); the others norm before attention and the MLP only.
+POST_NORM_FAMILIES = tuple(
+    name
+    for name, family in FAMILIES.items()
+    if family.config.post_norm or family.config.sandwich_norm
+)
+PRE_NORM_FAMILIES = tuple(name for name in FAMILIES if name not in POST_NORM_FAMILIES)
 
 
 @pytest.fixture
