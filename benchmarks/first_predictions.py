@@ -27,11 +27,11 @@ from memplan.verify.runner import RANKS  # noqa: E402
 
 def write_predictions(runs: list[tuple[ModelSpec, TrainSetup]], gpu: Gpu, out: Path) -> int:
     """Each run's case with its allocated peak, step-1 peak, reserved peak and verdict predicted
-    for `gpu`, written to `out` before anything is measured (the first predictions)."""
-    cases = []
+    for `gpu`, written to `out` before anything is measured (the first predictions). Cases that
+    `out` already holds keep the prediction made first; the others are added."""
+    cases = json.loads(out.read_text())["cases"] if out.exists() else []
+    predicted = {c["case"]["case"] for c in cases}
     for spec, setup in runs:
-        judged = judge(spec, setup, gpu)
-        assert judged.reserved is not None
         case = VerifyCase(
             case=case_name(spec.name or spec.model_type, setup),
             model=spec.name or spec.model_type,
@@ -39,6 +39,10 @@ def write_predictions(runs: list[tuple[ModelSpec, TrainSetup]], gpu: Gpu, out: P
             hf_config=spec.hf_config,
             setup=setup,
         )
+        if case.case in predicted:
+            continue
+        judged = judge(spec, setup, gpu)
+        assert judged.reserved is not None
         cases.append(
             {
                 "case": case.model_dump(mode="json"),

@@ -41,6 +41,10 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
     ("mistral-small-3.1-24b", 4, 2, LORA),
     ("olmo-2-0425-1b", None, 4, LORA),
     ("olmo-3-7b-instruct", 6, 4, CHECKPOINTING),
+    ("seed-oss-36b-instruct", 4, 4, LORA),
+    ("smollm3-3b", None, 2, CHECKPOINTING),
+    ("granite-3.3-8b-instruct", 8, 4, LORA),
+    ("exaone-4.0-32b", 4, 4, CHECKPOINTING),
 ]
 
 
