@@ -770,8 +770,8 @@ def suggestions(
 
 # How each strategy's memory model was checked (docs/distributed.md).
 STRATEGY_CHECKS = {
-    "fsdp2": "26 cases measured on H100s within 1.45% (4 on two real GPUs, equal to simulated)",
-    "ddp": "6 cases measured on H100s within 0.01%; some runs hold one more bf16 gradient copy",
+    "fsdp2": "26 cases measured on H100s: within 1.45%; 4 also on two real GPUs, as simulated",
+    "ddp": "6 cases measured on H100s: within 0.01%; some runs hold one more bf16 gradient copy",
     "zero1": "from DeepSpeed's code; unmeasured",
     "zero2": "from DeepSpeed's code; unmeasured",
     "zero3": "from DeepSpeed's code; unmeasured",
