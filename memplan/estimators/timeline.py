@@ -559,23 +559,21 @@ def attention_scores_backward_bytes(
     spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str
 ) -> int:
     """Per token: what backward holds beyond the saved probabilities when attention materializes
-    (heads x seq) scores (by then the layer's MLP has freed what it saved). In bf16, eager
-    softmax(scores, dtype=float32).to(bf16) holds d(probs) (2), its fp32 upcast (4) and the
-    fp32 d(scores) softmax backward writes (4) at once:
-    measured on an H200, llama-3.2-1b batch 2 x 2048 with kernels, whose peak falls there. In
-    fp32 eager: d(probs) and d(scores), 4 bytes each. CUDA SDPA's math path (fp32 with grouped
-    KV heads) holds three fp32 (heads x seq) tensors at once in its backward: seen in an H200
-    allocation trace of smollm2-135m batch 8 x 2048 with kernels (probe_memory.py peak)."""
+    (heads x seq) scores (by then the layer's MLP has freed what it saved). Softmax backward on
+    CUDA (softmax_backward_cuda_out) holds its fp32 input d(probs), the d(scores) it writes and
+    grad * output, a third fp32 tensor it forms first: seen in an H100 allocation trace of an
+    eager layer, and as three fp32 (heads x seq) tensors in an H200 trace of SDPA's math path
+    (smollm2-135m batch 8 x 2048). In bf16 eager, the bf16 probabilities the value matmul saved
+    are released by its backward before then, which the saved bytes still count."""
     math_sdpa = any(
         sdpa_math_path(spec, dtypes, backend, attention_masked(ctx))
         for ctx in layer_contexts(spec, setup, dtypes, backend)
     )
     if setup.attn != "eager" and not math_sdpa:
         return 0
-    if setup.attn != "eager":  # the math path
-        per_score = 3 * FP32
-    else:
-        per_score = 2 * FP32 if dtypes.proj == FP32 else dtypes.proj + 2 * FP32
+    per_score = 3 * FP32
+    if setup.attn == "eager" and dtypes.proj != FP32:
+        per_score -= dtypes.proj
     return spec.num_attention_heads * setup.seq * per_score
 
 

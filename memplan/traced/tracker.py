@@ -5,8 +5,9 @@ A TorchDispatchMode sits below autograd and sees every aten op on the meta tenso
 whose storage it has not seen is an allocation, and a weakref callback on that storage records
 its release when the last tensor or autograd node holding it lets go (storages keep their Python
 object while the C++ storage lives, so the callback fires exactly then). What a CUDA kernel
-allocates beside its outputs is added by name: the cuBLAS workspace of each thread's first GEMM
-and the attention backward kernels' scratch (sdpa.backward_scratch_bytes)."""
+allocates beside its outputs is added by name: the cuBLAS workspace of each thread's first GEMM,
+the attention backward kernels' scratch (sdpa.backward_scratch_bytes) and softmax backward's
+product (softmax_backward_scratch_bytes)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,16 @@ KNOWN_READS: dict[str, bool | float] = {
     "_single_tensor_adafactor": 1.0,
 }
 _READ_OPS = frozenset({"_local_scalar_dense", "is_nonzero"})
+
+
+def softmax_backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
+    """CUDA's softmax backward (softmax_backward_cuda_out) first forms grad * output, a tensor
+    of grad's size, and frees it before it returns; the CPU kernel forms none. Seen in an H100
+    allocation trace of an eager attention layer (docs/traced.md)."""
+    if func.overloadpacket.__name__ != "_softmax_backward_data":
+        return 0
+    grad, output = args[0], args[1]
+    return grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize
 
 
 class DataDependentRead(RuntimeError):
@@ -372,7 +383,7 @@ class AllocationTracker(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 recorder.track(leaf)
-        scratch = backward_scratch_bytes(func, args)
+        scratch = backward_scratch_bytes(func, args) + softmax_backward_scratch_bytes(func, args)
         if scratch:
             recorder.free(recorder.alloc(scratch, "transient"))
         return out

@@ -11,10 +11,8 @@ import sys
 import pytest
 
 from memplan.catalog import spec_from_config
-from memplan.estimators.releases import Release
 from memplan.schema import TrainSetup
 from memplan.traced.compare import compare
-from memplan.versions import installed_versions
 from tests.patching import tiny_models
 
 SMALL = {
@@ -60,6 +58,8 @@ VARIANTS = {
 # divided logits under autocast; exaone4's NoPE full layers under checkpointing (and amp), LoRA
 # and without a window.
 EXTRA_VARIANTS = [
+    # fp32 eager: softmax backward's three fp32 score-sized tensors
+    ("llama", {}, {"attn": "eager", "precision": "fp32"}),
     ("olmo2", {}, {"precision": "amp-bf16"}),
     (
         "olmo2",
@@ -102,24 +102,10 @@ def small_spec(family: str, **overrides):
     return spec_from_config(config, name=family)
 
 
-# Attention that materializes (heads x seq x seq) scores (eager, and SDPA's math path in fp32
-# with grouped KV heads): the contracts hold one more score-sized tensor in attention backward
-# than the trace, whose liveness is torch's on the CPU (checked on real CPU tensors); H200
-# measurements side with the contracts (docs/traced.md). Strict: a fix on either side shows.
-KNOWN_GAPS = {"qwen2", "gemma"}
-# Gemma 2 runs with eager attention where the installed transformers refuses it SDPA.
-if Release.of(installed_versions()["transformers"]).refuses_sdpa("gemma2"):
-    KNOWN_GAPS.add("gemma2")
-
-
 def cases() -> list:
     out = [pytest.param(f, {}, {}, id=f) for f in tiny_models.FAMILIES]
     for family, options in VARIANTS.items():
-        marks = ()
-        if family in KNOWN_GAPS:
-            reason = "materialized attention scores in backward (docs/traced.md)"
-            marks = pytest.mark.xfail(strict=True, reason=reason)
-        out.append(pytest.param(family, {}, options, id=f"{family}-variant", marks=marks))
+        out.append(pytest.param(family, {}, options, id=f"{family}-variant"))
     for index, (family, overrides, options) in enumerate(EXTRA_VARIANTS):
         case_id = f"{family}-extra{index}"
         out.append(pytest.param(family, overrides, options, id=case_id, marks=pytest.mark.slow))

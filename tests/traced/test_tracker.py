@@ -23,6 +23,7 @@ from memplan.traced.step import (
     rotary_embeddings_without_autocast,
     trace_steps,
 )
+from memplan.traced.tracker import AllocationTracker, Recorder
 from memplan.versions import installed_versions
 from tests.traced.tiny import UNREGISTERED, tiny
 
@@ -185,3 +186,22 @@ def test_rotary_embeddings_compute_without_autocast() -> None:
 )
 def test_without_the_hooks_the_emulation_would_compute_cos_sin_in_bf16() -> None:
     assert _rotary_dtypes(hooked=False) == (torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_softmax_backward_forms_its_product_beside_its_output(dtype: torch.dtype) -> None:
+    """CUDA's softmax backward holds grad * output beside the d(input) it writes: a transient of
+    the fp32 gradient's size recorded after that output, freed before the next op."""
+    recorder = Recorder()
+    scores = torch.empty(2, 3, 5, 7, device="meta", dtype=dtype, requires_grad=True)
+    with AllocationTracker(recorder):
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        probs.sum().backward()
+    fp32_bytes = scores.numel() * 4
+    transients = [r for r in recorder.records if recorder.storages[r.key].tag == "transient"]
+    assert [(r.action, r.nbytes) for r in transients] == [
+        ("alloc", fp32_bytes),
+        ("free", fp32_bytes),
+    ]
+    before = recorder.records[: recorder.records.index(transients[0])]
+    assert before[-1].action == "alloc"  # d(scores), alive with the product
