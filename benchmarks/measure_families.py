@@ -45,6 +45,9 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
     ("smollm3-3b", None, 2, CHECKPOINTING),
     ("granite-3.3-8b-instruct", 8, 4, LORA),
     ("exaone-4.0-32b", 4, 4, CHECKPOINTING),
+    # one dense and one MoE layer: 128 experts of 1408, a shared expert, the fp32 router frozen
+    # under LoRA
+    ("glm-4.5-air", 2, 4, LORA),
 ]
 
 

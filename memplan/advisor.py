@@ -23,6 +23,7 @@ from memplan.errors import MemplanError, UsageError, option_error
 from memplan.estimators import estimate, predict_reserved
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import DtypePlan
+from memplan.estimators.parallel import strategies_modelled
 from memplan.estimators.params import (
     attention_lora_targets,
     check_lora_targets,
@@ -88,7 +89,7 @@ def supported_kernels(spec: ModelSpec) -> tuple[str, ...]:
     model type without one (the traced path) those its norm and activation name."""
     family = FAMILIES.get(spec.model_type)
     if family is not None:
-        return family.kernels(spec.hidden_act, dense_mlp=not spec.num_experts)
+        return family.kernels(spec.hidden_act, dense_mlp=spec.gated_mlps)
     kernels = ["rms_norm" if spec.norm == "rms" else "layer_norm", "rope"]
     glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act)
     if glu and not spec.num_experts:
@@ -532,6 +533,11 @@ def advise(
     near = EDGE_SHARE * gpu_spec.capacity < result.peak_bytes <= gpu_spec.capacity
     if near and not setup.expandable_segments:
         warnings.append(EDGE_WARNING)
+    if not fit and not strategies_modelled(spec):
+        warnings.append(
+            f"{spec.model_type} is estimated on one GPU only: how many GPUs a data-parallel "
+            "strategy needs is not modelled for its dense-and-MoE layers and fp32 router"
+        )
     return Advice(
         model=spec.name or spec.model_type,
         setup=setup,
@@ -549,8 +555,10 @@ def advise(
         else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk, judged=result),
         max_batch=max_batch,
         max_seq=max_seq,
-        # a counted vision tower is modelled on one GPU only
-        gpu_counts=[] if fit or count_vision_tower else gpu_counts(spec, setup, gpu_spec),
+        # a counted vision tower, and some architectures, are modelled on one GPU only
+        gpu_counts=[]
+        if fit or count_vision_tower or not strategies_modelled(spec)
+        else gpu_counts(spec, setup, gpu_spec),
         vision_tower_params=spec.vision_tower_params,
         warnings=warnings,
     )

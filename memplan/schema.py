@@ -96,6 +96,9 @@ class ModelSpec(BaseModel):
     rope_in_fp32: bool = False
     # The cos/sin pairs the model computes per forward (one per attention layer type in OLMo 3).
     rope_tables: int = Field(default=1, gt=0)
+    # The leading dims of each head that RoPE rotates (GLM-4.5's partial_rotary_factor); None:
+    # all of head_dim.
+    rotary_dim: int | None = Field(default=None, gt=0)
     fused_qkv: bool = False  # phi3: one qkv_proj
     fused_gate_up: bool = False  # phi3: one gate_up_proj
     final_logit_softcapping: float | None = None
@@ -115,10 +118,16 @@ class ModelSpec(BaseModel):
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = Field(default=None, gt=0)
-    # Mixture of experts (mixtral, qwen3_moe); 0 means dense.
+    # Mixture of experts (mixtral, qwen3_moe, glm4_moe); 0 means dense.
     num_experts: int = Field(default=0, ge=0)
     num_experts_per_tok: int = Field(default=0, ge=0)
     moe_intermediate_size: int = Field(default=0, ge=0)
+    # The layers of a MoE model whose MLP is dense (intermediate_size wide), by index: GLM-4.5's
+    # first_k_dense_replace leading layers.
+    dense_layers: tuple[int, ...] = ()
+    # The width of the shared experts' gated MLP beside the routed experts of each MoE layer
+    # (moe_intermediate_size x n_shared_experts); 0: none.
+    shared_expert_intermediate_size: int = Field(default=0, ge=0)
     # A multimodal config (gemma3, mistral3) read for its text model: its model_type, and the
     # elements of each parameter of its vision tower and projector, in registration order
     # (memplan.catalog.vision_tower), which the estimate counts only when asked
@@ -144,12 +153,34 @@ class ModelSpec(BaseModel):
             raise ValueError("every vision tower tensor has at least one element")
         if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {self.nope_layers} name layers the model does not have")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.dense_layers):
+            raise ValueError(
+                f"dense_layers {self.dense_layers} name layers the model does not have"
+            )
+        if self.rotary_dim is not None and self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) exceeds head_dim ({self.head_dim})")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
         return self
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has a mixture of experts (not a dense MLP)."""
+        return self.num_experts > 0 and index not in self.dense_layers
+
+    @property
+    def gated_mlps(self) -> bool:
+        """Whether some layer runs a gated MLP module: every layer of a dense model; of a MoE
+        model its dense layers and its shared experts."""
+        shared = self.shared_expert_intermediate_size > 0
+        return not self.num_experts or bool(self.dense_layers) or shared
+
+    @property
+    def rotated_dim(self) -> int:
+        """The dims of each head that RoPE rotates (cos and sin are this wide)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def vision_tower_params(self) -> int:

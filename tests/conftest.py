@@ -66,18 +66,23 @@ def device() -> str:
 
 def _saved_storage_bytes(run: Callable[[], object], module: torch.nn.Module) -> int:
     """Bytes of the unique storages autograd saves while `run()` executes, the module's
-    parameters excluded."""
+    parameters excluded. Where `run()` returns its output (which holds the graph), only the
+    storages still saved once it returns count: a node freed inside the forward (a router's
+    top-k over values it discards) keeps nothing for backward."""
     excluded = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages: dict[int, int] = {}
+    saved: list[tuple[weakref.ref, int, int]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in excluded:
-            storages[ptr] = t.untyped_storage().nbytes()
+            saved.append((weakref.ref(t), ptr, t.untyped_storage().nbytes()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
+        output = run()
+    kept = (entry for entry in saved if output is None or entry[0]() is not None)
+    storages = {ptr: nbytes for _, ptr, nbytes in kept}
+    del output
     return sum(storages.values())
 
 

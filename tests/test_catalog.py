@@ -24,6 +24,7 @@ from memplan.catalog import (
 from memplan.catalog.gpus import _GPUS_JSON
 from memplan.catalog.models import _MODELS_JSON
 from memplan.errors import MemplanError, UsageError
+from memplan.estimators import count_params
 from memplan.families import FAMILIES
 
 ENTRIES = {entry.key: entry for entry in list_model_entries()}
@@ -121,6 +122,12 @@ def test_known_values_of_a_few_checkpoints():
         == tuple(range(3, 64, 4))
         == tuple(i for i, kind in enumerate(exaone.layer_types) if kind == "full_attention")
     )
+    air = resolve_model("glm-4.5-air")
+    assert (air.num_hidden_layers, air.dense_layers, air.num_experts) == (46, (0,), 128)
+    assert (air.moe_intermediate_size, air.shared_expert_intermediate_size) == (1408, 1408)
+    assert (air.head_dim, air.rotary_dim, air.rotated_dim) == (128, 64, 64)
+    assert (air.attention_bias, air.attention_out_bias, air.qk_norm) == (True, False, False)
+    assert count_params(air).total == 106852245504  # "106 billion total parameters"
     olmo3 = resolve_model("olmo-3-32b-think")
     assert (olmo3.num_key_value_heads, olmo3.sliding_window, olmo3.rope_tables) == (8, 4096, 2)
     assert olmo3.layer_types.count("full_attention") == 64 // 4 and not olmo3.use_cache
@@ -258,6 +265,8 @@ LAYER_TYPES = 'a list of 2 entries, each "full_attention" or "sliding_attention"
         ({"num_key_value_heads": -2}, "num_key_value_heads", POSITIVE_INT, "-2"),
         ({"head_dim": 16.0}, "head_dim", POSITIVE_INT, "16.0"),
         ({"final_logit_softcapping": "abc"}, "final_logit_softcapping", NUMBER, '"abc"'),
+        ({"model_type": "glm4_moe", "n_shared_experts": 0}, "n_shared_experts", POSITIVE_INT, "0"),
+        ({"model_type": "glm4_moe", "use_qk_norm": 1}, "use_qk_norm", BOOLEAN, "1"),
         ({"attn_logit_softcapping": "abc"}, "attn_logit_softcapping", NUMBER, '"abc"'),
         ({"final_logit_softcapping": 0}, "final_logit_softcapping", NUMBER, "0"),
         ({"attn_logit_softcapping": float("inf")}, "attn_logit_softcapping", NUMBER, "Infinity"),
@@ -340,6 +349,16 @@ def test_bad_config_value_is_one_error_naming_the_key(overrides, key, must_be, g
          "hidden_size (64) is smaller than num_attention_heads (128) and no head_dim is given"),
         ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 8},
          "num_experts_per_tok (8) is more than the number of experts (2)"),
+        ({"model_type": "glm4_moe", "n_routed_experts": 6, "n_group": 4, "num_experts_per_tok": 2},
+         "6 experts in n_group 4 groups with topk_group 1: the router needs groups of at least 2 "
+         "experts and topk_group <= n_group"),
+        ({"model_type": "glm4_moe", "n_routed_experts": 8, "n_group": 4, "topk_group": 1,
+          "num_experts_per_tok": 4},
+         "num_experts_per_tok (4) is more than the experts of the topk_group (1) groups the "
+         "router picks (2)"),
+        ({"model_type": "glm4_moe", "partial_rotary_factor": 0.0},
+         "partial_rotary_factor 0.0 of head_dim 16 rotates 0 dims; transformers' RoPE needs "
+         "between 1 and head_dim (rounded up to even)"),
     ],
 )  # fmt: skip
 def test_inconsistent_config_values_are_one_error(overrides, message):
@@ -410,6 +429,24 @@ def test_a_long_bad_value_is_cut_short():
         ({"model_type": "granite", "logits_scaling": 8},
          {"logits_scaling": 8.0, "embedding_multiplier": 1.0}),
         ({"logits_scaling": 8.0}, {"logits_scaling": None}),
+        # GLM-4.5: the first first_k_dense_replace layers dense, half of each head rotated (the
+        # factor in rope_parameters first), q/k norms and q/k/v biases by the config, no window
+        ({"model_type": "glm4_moe", "num_hidden_layers": 3},
+         {"dense_layers": (0,), "shared_expert_intermediate_size": 1408, "rotary_dim": 8,
+          "qk_norm": False, "attention_bias": False, "sliding_window": None}),
+        ({"model_type": "glm4_moe", "first_k_dense_replace": 5, "n_shared_experts": 2,
+          "moe_intermediate_size": 32},
+         {"dense_layers": (0, 1), "shared_expert_intermediate_size": 64}),
+        ({"model_type": "glm4_moe", "first_k_dense_replace": 0, "partial_rotary_factor": 1.0},
+         {"dense_layers": (), "rotary_dim": None}),
+        ({"model_type": "glm4_moe", "partial_rotary_factor": 1.0,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                              "partial_rotary_factor": 0.25}},
+         {"rotary_dim": 4}),
+        ({"model_type": "glm4_moe", "use_qk_norm": True, "attention_bias": True,
+          "sliding_window": 8},
+         {"qk_norm": True, "attention_bias": True, "attention_out_bias": False,
+          "sliding_window": None, "layer_types": None}),
     ],
 )  # fmt: skip
 def test_valid_edge_values_are_read_as_transformers_reads_them(overrides, expected):
@@ -805,12 +842,21 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     gelus = {type(ACT2FN[name]) for name in ("gelu", "gelu_pytorch_tanh")}
     expected = gelus if spec.hidden_act == "gelu" else {type(ACT2FN[spec.hidden_act])}
     assert acts and type(acts[0]) in expected
-    if spec.num_experts:
-        gate_up = mlp.experts.gate_up_proj
+    sparse = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
+    assert sparse == [spec.moe_layer(i) for i in range(spec.num_hidden_layers)]
+    tables = model.model.rotary_emb.named_buffers()
+    angles = {b.numel() for name, b in tables if name.split(".")[-1].endswith("inv_freq")}
+    assert angles == {spec.rotated_dim // 2}
+    if spec.num_experts and any(sparse):
+        moe = model.model.layers[sparse.index(True)].mlp
+        gate_up = moe.experts.gate_up_proj
         assert gate_up.shape[0] == spec.num_experts
         assert gate_up.shape[1] == 2 * spec.moe_intermediate_size
         assert hf_config.num_experts_per_tok == spec.num_experts_per_tok
-    else:
+        shared = getattr(moe, "shared_experts", None)
+        width = shared.up_proj.out_features if shared is not None else 0
+        assert width == spec.shared_expert_intermediate_size
+    if not spec.moe_layer(0):
         assert not hasattr(mlp, "experts")
         if not spec.fused_gate_up:
             assert mlp.up_proj.out_features == spec.intermediate_size

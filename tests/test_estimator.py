@@ -160,3 +160,19 @@ def test_impossible_setups_are_one_usage_error(fields, message) -> None:
 
     with pytest.raises(UsageError, match=message):
         make_setup(batch=1, seq=8, **fields)
+
+
+def test_data_parallelism_is_refused_where_layers_differ() -> None:
+    """GLM-4.5's dense first layers and fp32 router are modelled on one GPU: a strategy is one
+    UsageError, and advise offers no GPU counts (rather than a walk that shards one layer's
+    parameters for every layer)."""
+    from memplan.advisor import advise
+    from memplan.catalog import resolve_model
+    from memplan.errors import UsageError
+
+    spec = resolve_model("glm-4.5-air")
+    with pytest.raises(UsageError, match="estimated on one GPU only"):
+        estimate(spec, TrainSetup(batch=1, seq=256, gpus=8, strategy="fsdp2"))
+    advice = advise(spec, batch=1, seq=256, gpu="H100")
+    assert not advice.fits and advice.gpu_counts == []
+    assert any("estimated on one GPU only" in warning for warning in advice.warnings)

@@ -75,13 +75,13 @@ def saved_bytes_live(saved_storage_bytes, model_type: str, precision: str, attn:
 
 
 def saved_bytes_of(saved_storage_bytes, model: torch.nn.Module, vocab: int, autocast: bool) -> int:
-    """One forward on the CPU: the unique storages autograd saves, parameters excluded (the
-    conftest fixture `saved_storage_bytes`)."""
+    """One forward on the CPU: the unique storages autograd saves and keeps for backward,
+    parameters excluded (the conftest fixture `saved_storage_bytes`)."""
     ids = torch.randint(0, vocab, (PROBE["batch"], PROBE["seq"]))
 
-    def forward() -> None:
+    def forward() -> object:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model(input_ids=ids, labels=ids)
+            return model(input_ids=ids, labels=ids)
 
     return saved_storage_bytes(forward, model)
 
@@ -183,6 +183,10 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         pytest.param("seed_oss", ("v_proj",), "fp32", "sdpa", marks=pytest.mark.slow),
         pytest.param("smollm3", ("k_proj",), "fp32", "eager", marks=pytest.mark.slow),
         pytest.param("granite", ("q_proj", "down_proj"), "bf16", "sdpa", marks=pytest.mark.slow),
+        # glm4_moe: the frozen fp32 router keeps its weight's fp32 copy and no input; a
+        # heads-major q (half of each head rotated) makes SDPA's output a copy for o_proj
+        ("glm4_moe", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        pytest.param("glm4_moe", ("k_proj", "o_proj"), "fp32", "eager", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -235,8 +239,13 @@ def test_lora_matches_autograd_on_cpu(
                 # lm_head keeps the hidden states divided by logits_scaling, not the norm's output
                 ("granite", ("rms_norm", "rope", "swiglu", "cross_entropy"), "bf16", ()),
                 ("granite", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
+                ("glm4_moe", ("rms_norm", "rope", "swiglu", "cross_entropy"), "fp32", ()),
+                ("glm4_moe", ("rope",), "bf16", ("q_proj",)),
             ]
         ),
+        # glm4_moe: RoPE on half of each head (q heads-major after it), SwiGLU in the dense layer
+        # and the shared experts, the fp32 router's copies beside the patched norms
+        ("glm4_moe", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
         # memplan's RoPE gives k a gradient with q's in layer 0, but not in smollm3's layer 1,
         # which applies no RoPE
         pytest.param("smollm3", ("rope",), "bf16", ("q_proj",), marks=pytest.mark.slow),
@@ -440,6 +449,8 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
         # OLMo's RoPE casts k back to bf16 under autocast: the cache is attention's own k
         ("olmo2", "amp-bf16", {}),
         ("olmo3", "bf16", {}),
+        # k concatenated from its rotated half (fp32 under autocast) and the rest
+        ("glm4_moe", "amp-bf16", {}),
         # the patched models (minutes each under the interpreter)
         *(
             pytest.param(*case, marks=pytest.mark.slow)
@@ -452,6 +463,7 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
                 # a layer without RoPE keeps k in bf16 under autocast: SDPA saves the cache's k
                 ("smollm3", "amp-bf16", {}),
                 ("granite", "bf16", {}),
+                ("glm4_moe", "bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
             ]
         ),
     ],

@@ -97,3 +97,31 @@ def test_a_measurement_is_predicted_for_the_release_it_ran_on() -> None:
         case="c", model="m", setup=setup.model_copy(update={"transformers": "5.20.0"}), env=ran.env
     )
     assert ran_setup(named).transformers == "5.20.0"
+
+
+@pytest.mark.parametrize(
+    "precision,weight_bytes",
+    [("bf16", 2), pytest.param("fp32", 0, marks=pytest.mark.slow)],
+)
+def test_glm4_moe_router_weight_is_kept_in_fp32_from_5_24(precision, weight_bytes) -> None:
+    """From 5.24 GLM-4.5's router weight is made and kept in fp32 in a bf16 model: two bytes
+    more an element in its weight, gradient and each AdamW state (before 5.24 and in fp32: the
+    same), and its fp32 linear copies no weight (the copy 5.23 saves for backward)."""
+    from memplan.estimators import estimate
+    from memplan.verify.predict import with_layers
+
+    spec = with_layers(resolve_model("glm-4.5-air"), 2)  # one MoE layer
+    router = spec.num_experts * spec.hidden_size
+    before, after = (
+        TrainSetup(batch=1, seq=256, precision=precision, transformers=release)
+        for release in ("5.23.0", "5.24.0")
+    )
+    old, new = estimate(spec, before), estimate(spec, after)
+    for part in ("weights", "gradients"):
+        assert new.breakdown[part] - old.breakdown[part] == weight_bytes * router
+    assert new.breakdown["optimizer_states"] - old.breakdown["optimizer_states"] == (
+        2 * weight_bytes * router
+    )
+    copy = 0 if precision == "fp32" else 4 * router
+    saved_old, saved_new = (forward_saved(spec, s, rounded=False) for s in (before, after))
+    assert saved_old.total - saved_new.total == copy

@@ -73,6 +73,18 @@ FAMILIES = {
         "sliding_window": 64,
         "layer_types": ["sliding_attention", "full_attention"],
     },
+    # a dense layer, then a MoE layer with a shared expert and two expert groups; q/k norms,
+    # q/k/v biases, half of each head rotated
+    "glm4_moe": {
+        "head_dim": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "n_group": 2,
+        "topk_group": 1,
+        "use_qk_norm": True,
+        "attention_bias": True,
+    },
 }
 
 
@@ -105,6 +117,7 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "phi3": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("o_proj",)),
     "mixtral": (_ATTENTION_QV, _ATTENTION_ALL),
     "qwen3_moe": (_ATTENTION_QV, _ATTENTION_ALL),
+    "glm4_moe": (_ATTENTION_QV, _ATTENTION_ALL),
 }
 LORA_TARGETS["llama"] += (
     ("o_proj",),

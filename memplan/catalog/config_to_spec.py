@@ -86,6 +86,7 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     nope_layers = _nope_layers(rules, cfg, layers)
     sliding_window, layer_types = _attention_windows(rules, cfg, layers, nope_layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
+    dense_layers, shared_width = _dense_and_shared(rules, cfg, layers, moe_intermediate)
 
     fields = {
         "name": name,
@@ -107,12 +108,13 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "attention_bias": attention_bias,
         "attention_out_bias": attention_out_bias,
         "mlp_bias": _boolean(cfg, "mlp_bias") if rules.mlp_bias else False,
-        "qk_norm": rules.qk_norm,
+        "qk_norm": _qk_norm(rules, cfg),
         "qk_norm_scope": rules.qk_norm_scope,
         "sandwich_norm": rules.sandwich_norm,
         "post_norm": rules.post_norm,
         "rope_in_fp32": rules.rope_in_fp32,
         "rope_tables": _rope_tables(rules, cfg, layers),
+        "rotary_dim": _rotary_dim(rules, cfg, head_dim),
         "fused_qkv": rules.fused,
         "fused_gate_up": rules.fused,
         "final_logit_softcapping": _optional_positive_float(cfg, "final_logit_softcapping"),
@@ -129,6 +131,8 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "num_experts": num_experts,
         "num_experts_per_tok": experts_per_tok,
         "moe_intermediate_size": moe_intermediate,
+        "dense_layers": dense_layers,
+        "shared_expert_intermediate_size": shared_width,
         "wrapper_model_type": None if multimodal is None else multimodal["model_type"],
         "vision_tower_tensors": ()
         if multimodal is None
@@ -307,10 +311,43 @@ def _attention_biases(rules: ConfigRules, cfg: dict[str, Any]) -> tuple[bool, bo
         return False, False
     if rule == "qkv":
         return True, False
+    if rule == "qkv_config":
+        return _boolean(cfg, "attention_bias"), False
     if rule == "out_key":
         return _boolean(cfg, "attention_bias"), _boolean(cfg, "attention_out_bias")
     bias = _boolean(cfg, "attention_bias")
     return bias, bias
+
+
+def _qk_norm(rules: ConfigRules, cfg: dict[str, Any]) -> bool:
+    """The family's q/k norms, or the config's switch for them (qk_norm_key)."""
+    if rules.qk_norm_key is None:
+        return rules.qk_norm
+    return _boolean(cfg, rules.qk_norm_key)
+
+
+def _rotary_dim(rules: ConfigRules, cfg: dict[str, Any], head_dim: int) -> int | None:
+    """The leading dims of each head RoPE rotates: head_dim x partial_rotary_factor, the factor
+    rope_parameters gives, else the config's own key (transformers copies that one into
+    rope_parameters only where they give none); None where every dim rotates."""
+    if not rules.partial_rotary:
+        return None
+    rope = cfg.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise _bad_value("rope_parameters", rope, "an object or null")
+    if rope is not None and rope.get("partial_rotary_factor") is not None:
+        factor = _number(rope, "partial_rotary_factor")
+    else:
+        factor = _number(cfg, "partial_rotary_factor")
+    # cos and sin hold one angle per even dim below int(head_dim x factor), each twice
+    rotated = int(head_dim * factor)
+    rotary = rotated + rotated % 2
+    if not 0 < rotary <= head_dim:
+        raise MemplanError(
+            f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {rotated} dims; "
+            "transformers' RoPE needs between 1 and head_dim (rounded up to even)"
+        )
+    return None if rotary == head_dim else rotary
 
 
 def _multipliers(rules: ConfigRules, cfg: dict[str, Any]) -> dict[str, float | None]:
@@ -363,6 +400,8 @@ def _attention_windows(
 ) -> tuple[int | None, tuple[str, ...] | None]:
     """The sliding window and, when any layer uses it, every layer's attention type."""
     rule = rules.windowed_layers
+    if rule == "never":
+        return None, None
     if rule in ("from_max_window_layers", "all_if_enabled") and not _boolean(
         cfg, "use_sliding_window"
     ):
@@ -431,7 +470,8 @@ def _experts(
     moe = rules.moe
     if moe is None:
         return 0, 0, 0
-    # transformers maps num_experts <-> num_local_experts, so a config may carry either.
+    # transformers maps num_experts (or n_routed_experts) <-> num_local_experts, so a config
+    # may carry either.
     native = moe.experts_key
     alias = "num_experts" if native == "num_local_experts" else "num_local_experts"
     given_as_alias = config.get(native) is None and config.get(alias) is not None
@@ -441,6 +481,8 @@ def _experts(
         raise MemplanError(
             f"num_experts_per_tok ({per_tok}) is more than the number of experts ({experts})"
         )
+    if moe.router == "sigmoid_fp32":
+        _check_expert_groups(cfg, experts, per_tok)
     if moe.dense_layers_key is not None and (
         _optional_list(cfg, moe.dense_layers_key) or _positive_int(cfg, "decoder_sparse_step") != 1
     ):
@@ -449,3 +491,38 @@ def _experts(
             "decoder_sparse_step > 1) are not supported; every layer must be a mixture of experts"
         )
     return experts, per_tok, _positive_int(cfg, moe.expert_width_key)
+
+
+def _dense_and_shared(
+    rules: ConfigRules, cfg: dict[str, Any], layers: int, expert_width: int
+) -> tuple[tuple[int, ...], int]:
+    """The layers of a DeepSeek-style MoE model with a dense MLP (the first first_k_dense_replace
+    ones) and the width of each MoE layer's shared experts (expert width x n_shared_experts)."""
+    moe = rules.moe
+    if moe is None:
+        return (), 0
+    dense: tuple[int, ...] = ()
+    if moe.first_dense_key is not None:
+        dense = tuple(range(min(_non_negative_int(cfg, moe.first_dense_key), layers)))
+    shared = 0
+    if moe.shared_experts_key is not None:
+        shared = expert_width * _positive_int(cfg, moe.shared_experts_key)
+    return dense, shared
+
+
+def _check_expert_groups(cfg: dict[str, Any], experts: int, per_tok: int) -> None:
+    """A DeepSeek-style router picks topk_group of n_group equal groups of experts by their two
+    best scores, then num_experts_per_tok experts among those groups: transformers' router
+    fails on any other split."""
+    groups = _positive_int(cfg, "n_group")
+    chosen = _positive_int(cfg, "topk_group")
+    if experts % groups or experts // groups < 2 or chosen > groups:
+        raise MemplanError(
+            f"{experts} experts in n_group {groups} groups with topk_group {chosen}: the router "
+            "needs groups of at least 2 experts and topk_group <= n_group"
+        )
+    if per_tok > chosen * (experts // groups):
+        raise MemplanError(
+            f"num_experts_per_tok ({per_tok}) is more than the experts of the topk_group "
+            f"({chosen}) groups the router picks ({chosen * (experts // groups)})"
+        )

@@ -111,6 +111,7 @@ class LayerContext:
     sliding: bool  # this layer attends through a sliding window
     under_autocast: bool  # inside torch.autocast, whatever the weights' dtype
     rope: bool = True  # this layer rotates q and k (not one of SmolLM3's NoPE layers)
+    moe: bool = False  # this layer's MLP is a mixture of experts (not a dense layer)
 
     @property
     def rope_kernel(self) -> bool:
@@ -136,6 +137,13 @@ class LayerContext:
         weight (fp32 under autocast) multiplies last (EXAONE 4's full layers)."""
         llama_cast_k_norm = self.spec.qk_norm and not gemma_norms(self.spec)
         return self.rotated_in_cos_dtype or (not self.rope and llama_cast_k_norm)
+
+    @property
+    def queries_heads_major(self) -> bool:
+        """q leaves RoPE contiguous as (batch, heads, seq, head_dim): where only part of each
+        head rotates, HF's RoPE and memplan's both concatenate the rotated and passed parts
+        (a full rotation keeps the projection's (batch, seq, heads, head_dim) layout)."""
+        return self.rope and self.spec.rotary_dim is not None
 
     @property
     def seq(self) -> int:
@@ -258,8 +266,21 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add("attn.lse", FP32 * nh)
     out.add("attn.out", p * nh * hd)
     hf_attention = "rope" not in ctx.kernels  # memplan's patched attention makes no copy
-    if spec.fused_qkv and hf_attention and o_input_kept(ctx):
-        out.add("attn.o_proj_in", p * nh * hd)  # phi3 reshapes SDPA's output into a copy
+    # phi3 reshapes SDPA's output into a copy; so does every family where the output takes q's
+    # layout (attention_output_follows_query) and q is heads-major
+    copied = (spec.fused_qkv and hf_attention) or (
+        ctx.queries_heads_major and attention_output_follows_query(ctx, path)
+    )
+    if copied and o_input_kept(ctx):
+        out.add("attn.o_proj_in", p * nh * hd)
+
+
+def attention_output_follows_query(ctx: LayerContext, path: str) -> bool:
+    """Whether SDPA's output takes q's memory layout, so that a heads-major q gives an output
+    the (batch, seq, heads x head_dim) reshape must copy: flash attention and cuDNN on CUDA
+    (torch's meta kernels: empty_like / alloc_with_matching_layout of q), the CPU's fused
+    kernel (measured); the memory-efficient kernel writes (batch, seq, heads, head_dim)."""
+    return path == "fused" or (path == "memory_efficient" and ctx.backend != "cuda")
 
 
 def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
@@ -390,31 +411,36 @@ def attention_masked(ctx: LayerContext) -> bool:
 
 
 def mlp_saved(ctx: LayerContext, out: Saved) -> None:
-    spec, p = ctx.spec, ctx.dtypes.proj
-    if not ctx.output_needs_grad(2 if not spec.num_experts else 1):
+    if not ctx.output_needs_grad(2 if not ctx.moe else 1):
         return  # the MLP's input and its gate/up outputs need no gradient (experts: no adapters)
-    if spec.num_experts:
+    if ctx.moe:
         moe_saved(ctx, out)
+        if ctx.spec.shared_expert_intermediate_size:
+            gated_mlp_saved(ctx, out, "mlp.shared", ctx.spec.shared_expert_intermediate_size)
         return
-    inter = spec.intermediate_size
+    gated_mlp_saved(ctx, out, "mlp", ctx.spec.intermediate_size)
+
+
+def gated_mlp_saved(ctx: LayerContext, out: Saved, name: str, inter: int) -> None:
+    """A gated MLP `inter` wide: a dense layer's, or a MoE layer's shared experts."""
+    spec, p = ctx.spec, ctx.dtypes.proj
     glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act)
     if glu in ctx.kernels:
-        out.add_each("mlp.gate_up", *[kc.glu_saved_bytes(1, inter, p) / 2] * 2)
+        out.add_each(name + ".gate_up", *[kc.glu_saved_bytes(1, inter, p) / 2] * 2)
     else:
-        out.add_each(
-            "mlp.gate_up", p * inter, p * inter
-        )  # gate for the activation, up for the product
-        out.add("mlp.act", p * inter)
+        # gate for the activation, up for the product
+        out.add_each(name + ".gate_up", p * inter, p * inter)
+        out.add(name + ".act", p * inter)
     # down_proj keeps its input for its weight's gradient: not when frozen (an adapter keeps its
     # own cast, counted with the adapters), nor when the GLU kernel runs a plain down_proj itself
     # and recomputes the product in backward (memplan.kernels._glu.recompute_product).
     recomputed = glu in ctx.kernels and not ctx.under_autocast
     if ctx.trainable_base and not recomputed:
-        out.add("mlp.down_in", p * inter)
+        out.add(name + ".down_in", p * inter)
 
 
 def moe_saved(ctx: LayerContext, out: Saved) -> None:
-    """transformers 5's sparse MoE block: router softmax in fp32, top-k, then each routed row
+    """transformers 5's sparse MoE block: the router (moe_router_saved), then each routed row
     (tokens x k of them) goes through gathered expert matmuls. Those (grouped_mm) are not
     autocast ops: under autocast they run in the weights' dtype and copy no weight."""
     spec, p = ctx.spec, ctx.dtypes.param
@@ -424,15 +450,7 @@ def moe_saved(ctx: LayerContext, out: Saved) -> None:
         spec.moe_intermediate_size,
         spec.hidden_size,
     )
-    router = FAMILIES[spec.model_type].config.moe
-    assert router is not None, f"{spec.model_type} has no MoE rules"
-    normalized = spec.hf_config.get("norm_topk_prob", router.normalizes_by_default)
-    out.add_each("moe.router", FP32 * e, INT64 * k, *((FP32, FP32 * k) if normalized else ()))
-    # Each routed row keeps its routing weight (for the product that applies it): fp32 from
-    # Mixtral's router softmax; qwen3_moe's router casts it to the router logits' dtype. Before
-    # transformers 5.18, also one bool, the mask of expert-parallel sentinel rows that
-    # masked_fill keeps, on every backend.
-    routing_weight = FP32 if router.fp32_routing_weights else ctx.dtypes.proj
+    routing_weight = moe_router_saved(ctx, out)
     # Per routed row: the gathered input (twice when the expert matmuls keep it for their
     # weight's gradient), gate, up, act(gate) and the product (each moe_intermediate wide),
     # three index rows, the routing weight and, before transformers 5.18, the mask bool; frozen
@@ -445,6 +463,46 @@ def moe_saved(ctx: LayerContext, out: Saved) -> None:
     out.add("moe.experts", constant=4 * e)
 
 
+def moe_router_saved(ctx: LayerContext, out: Saved) -> int:
+    """What the router saves; returns the bytes of each routed row's weight.
+
+    softmax: softmax in fp32 (its output), top-k (its indices), the renormalization (the sum and
+    the weights before it). Each routed row keeps its routing weight (for the product that
+    applies it): fp32 from Mixtral's router softmax; qwen3_moe's router casts it to the router
+    logits' dtype.
+    sigmoid_fp32 (DeepSeek-style): the linear on fp32 copies of its input and weight keeps
+    them (bf16 weights, the weight's before transformers 5.24, which keeps it in fp32; in fp32
+    they are the tensors themselves, under autocast its casts as any linear's), sigmoid its
+    output, gather its index; the renormalization as softmax's; the
+    routing weights in the router logits' dtype. The group-limited top-k's own saves go with
+    the nodes freed when the router returns (only the final indices are kept, by gather)."""
+    spec, d = ctx.spec, ctx.dtypes
+    e, k, h = spec.num_experts, spec.num_experts_per_tok, spec.hidden_size
+    router = FAMILIES[spec.model_type].config.moe
+    assert router is not None, f"{spec.model_type} has no MoE rules"
+    normalized = spec.hf_config.get("norm_topk_prob", router.normalizes_by_default)
+    if router.router == "softmax":
+        out.add_each("moe.router", FP32 * e, INT64 * k, *((FP32, FP32 * k) if normalized else ()))
+        return FP32 if router.fp32_routing_weights else d.proj
+    logits = d.proj if d.autocast else FP32
+    if router_copies_input(ctx):
+        if ctx.trainable_base:
+            out.add("moe.router", FP32 * h)
+        if not Release.of(ctx.setup.transformers).router_weight_in_fp32(spec.model_type):
+            out.add("moe.router", constant=FP32 * e * h)
+    out.add_each("moe.router", logits * e, INT64 * k, *((FP32, logits * k) if normalized else ()))
+    return logits
+
+
+def router_copies_input(ctx: LayerContext) -> bool:
+    """A DeepSeek-style router casts its input and weight to fp32 copies of their own: bf16
+    weights without autocast (in fp32 the casts are the tensors themselves; under autocast the
+    linear's own casts are saved instead)."""
+    router = FAMILIES[ctx.spec.model_type].config.moe
+    sigmoid = router is not None and router.router == "sigmoid_fp32"
+    return sigmoid and not ctx.dtypes.autocast and ctx.dtypes.param != FP32
+
+
 def layer_saved(ctx: LayerContext) -> Saved:
     """Everything one decoder layer saves for backward, per token."""
     spec, d = ctx.spec, ctx.dtypes
@@ -452,8 +510,11 @@ def layer_saved(ctx: LayerContext) -> Saved:
     gemma_norm = gemma_norms(spec)
     qkv_consumers = 1 if spec.fused_qkv else 3
     mlp_consumers = 1 if spec.fused_gate_up else 2
-    if spec.num_experts:
-        mlp_consumers = 1  # the router; experts gather their rows from its input
+    if ctx.moe:
+        # the router (unless it keeps an fp32 copy of its own) and the shared experts' gate and
+        # up; the experts gather their rows from the input
+        shared = 2 if spec.shared_expert_intermediate_size else 0
+        mlp_consumers = shared + (0 if router_copies_input(ctx) else 1)
     if ctx.setup.lora_rank:
         # Frozen base linears save no input; peft's adapters save their own fp32 cast of it.
         qkv_consumers = mlp_consumers = 0
@@ -546,7 +607,7 @@ def layer_saved(ctx: LayerContext) -> Saved:
         # caches none), saved where the matmul's input needs a gradient (measured on an H200,
         # llama-3.2-1b amp-bf16 with LoRA on q and v).
         first = 0 if ctx.needs_input_grad else first_stage_after(ctx.setup.lora_targets)
-        for params in autocast_weight_tensors(spec, first):
+        for params in autocast_weight_tensors(spec, first, ctx.moe):
             out.add("autocast.weights", constant=d.proj * params)
     return out
 
@@ -578,20 +639,27 @@ def first_stage_after(lora_targets: tuple[str, ...]) -> int:
     return min(stages) + 1 if stages else len(set(LORA_TARGET_STAGE.values()))
 
 
-def autocast_weight_params(spec: ModelSpec, first_stage: int = 0) -> int:
+def autocast_weight_params(spec: ModelSpec, first_stage: int = 0, moe: bool = False) -> int:
     """Weights of one layer that autocast copies to low precision for its matmuls, from
     first_stage on (LORA_TARGET_STAGE): attention and MLP weights, not biases. Of a MoE block
-    only the router: the experts' grouped matmuls are not autocast ops (moe_saved)."""
-    return sum(autocast_weight_tensors(spec, first_stage))
+    (`moe`) the router and the shared experts' MLP: the experts' grouped matmuls are not
+    autocast ops (moe_saved)."""
+    return sum(autocast_weight_tensors(spec, first_stage, moe))
 
 
-def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0) -> list[int]:
+def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0, moe: bool = False) -> list[int]:
     """The elements of each weight autocast_weight_params counts, one copy each."""
     h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
     qkv = [h * (q_out + 2 * kv_out)] if spec.fused_qkv else [h * q_out, h * kv_out, h * kv_out]
-    if spec.num_experts:
-        gate_up, down = [h * spec.num_experts], []
+    if moe:
+        shared = spec.shared_expert_intermediate_size
+        router = FAMILIES[spec.model_type].config.moe
+        if router is not None and router.router == "sigmoid_fp32":
+            gate_up = [h * spec.num_experts] + [h * shared] * 2 * bool(shared)
+        else:
+            gate_up = [h * spec.num_experts]
+        down = [h * shared] if shared else []
     else:
         gate_up = [2 * h * inter] if spec.fused_gate_up else [h * inter, h * inter]
         down = [h * inter]

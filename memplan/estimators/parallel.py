@@ -18,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from memplan.errors import UsageError
 from memplan.estimators.contracts import FP32, LORA_TARGET_STAGE, DtypePlan
 from memplan.estimators.param_tensors import Shape, param_shapes
 from memplan.estimators.params import lora_shapes, lora_targets_modelled
+from memplan.families import FAMILIES
 from memplan.schema import SHARDING_STRATEGIES, ModelSpec, TrainSetup
 
 if TYPE_CHECKING:  # the walk imports this module
@@ -410,7 +412,20 @@ def computed_setup(setup: TrainSetup) -> TrainSetup:
     return setup
 
 
+def strategies_modelled(spec: ModelSpec) -> bool:
+    """Whether data parallelism is modelled for this architecture: not where layers differ (a MoE
+    model's dense layers), since each strategy's walk shards one layer's parameters for all, nor
+    through a DeepSeek-style fp32 router, whose casts the sharded bf16 weights change."""
+    moe = FAMILIES[spec.model_type].config.moe if spec.model_type in FAMILIES else None
+    return not spec.dense_layers and (moe is None or moe.router == "softmax")
+
+
 def layout_for(spec: ModelSpec, setup: TrainSetup) -> OneGpu:
+    if setup.strategy is not None and not strategies_modelled(spec):
+        raise UsageError(
+            f"{spec.model_type} is estimated on one GPU only: data parallelism ({setup.strategy}) "
+            "is not modelled for its dense-and-MoE layers and fp32 router"
+        )
     if setup.strategy == "fsdp2":
         return Fsdp2(spec, setup)
     if setup.strategy == "ddp":

@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.estimators.params import qk_norm_widths
+from memplan.families import FAMILIES
 from memplan.schema import ModelSpec
 
 Shape = tuple[int, int]  # (dim 0, the product of the other dims)
+FP32 = 4
 
 
 def numel(shape: Shape) -> int:
@@ -26,10 +28,18 @@ class ParamShapes:
     norms: tuple[Shape, ...]
     final_norm: tuple[Shape, ...]
     lm_head: Shape | None  # None when tied to the embedding
+    # A MoE model's dense layers (by index) and their MLP's tensors; `mlp` is the MoE block's.
+    dense_layers: tuple[int, ...] = ()
+    dense_mlp: tuple[Shape, ...] = ()
+    router_index: int | None = None  # the router weight's place in a MoE block's `mlp`
 
     @property
     def layer(self) -> tuple[Shape, ...]:
         return self.attention + self.mlp + self.norms
+
+    def layer_at(self, index: int) -> tuple[Shape, ...]:
+        mlp = self.dense_mlp if index in self.dense_layers else self.mlp
+        return self.attention + mlp + self.norms
 
 
 @dataclass(frozen=True)
@@ -42,13 +52,40 @@ class ParamTensors:
     norms: tuple[int, ...]
     final_norm: tuple[int, ...]
     lm_head: int  # 0 when tied to the embedding
+    dense_layers: tuple[int, ...] = ()
+    dense_mlp: tuple[int, ...] = ()
+    router_index: int | None = None
+
+    def bytes_in_order(self, layers: int, param_bytes: int, router_fp32: bool) -> list[int]:
+        """Bytes of each tensor of in_order, in the weights' dtype (`param_bytes` an element)
+        but for a MoE router weight kept in fp32 (`router_fp32`)."""
+        sizes = [self.embedding * param_bytes]
+        for index in range(layers):
+            for position, n in enumerate(self.layer_at(index)):
+                sizes.append(n * self.width_at(index, position, param_bytes, router_fp32))
+        sizes += [n * param_bytes for n in self.final_norm]
+        return sizes + ([self.lm_head * param_bytes] if self.lm_head else [])
+
+    def width_at(self, index: int, position: int, param_bytes: int, router_fp32: bool) -> int:
+        """Bytes per element of tensor `position` of layer `index` (layer_at's order)."""
+        router = self.router_index
+        sparse = index not in self.dense_layers and router is not None
+        kept = router_fp32 and sparse and position == len(self.attention) + router
+        return FP32 if kept else param_bytes
 
     @property
     def layer(self) -> tuple[int, ...]:
         return self.attention + self.mlp + self.norms
 
+    def mlp_at(self, index: int) -> tuple[int, ...]:
+        return self.dense_mlp if index in self.dense_layers else self.mlp
+
+    def layer_at(self, index: int) -> tuple[int, ...]:
+        return self.attention + self.mlp_at(index) + self.norms
+
     def in_order(self, layers: int) -> list[int]:
-        tensors = [self.embedding, *(self.layer * layers), *self.final_norm]
+        tensors = [self.embedding, *(n for i in range(layers) for n in self.layer_at(i))]
+        tensors += self.final_norm
         return tensors + ([self.lm_head] if self.lm_head else [])
 
 
@@ -67,20 +104,8 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
     if spec.attention_out_bias:
         attention.append((h, 1))
     attention += [(width, 1) for width in qk_norm_widths(spec)]
-    inter = spec.intermediate_size
-    if spec.num_experts:
-        # transformers 5 keeps the experts as 3-D parameters: (experts, 2 x moe, h), (experts,
-        # h, moe); the router is (experts, h).
-        e, moe = spec.num_experts, spec.moe_intermediate_size
-        mlp: list[Shape] = [(e, h), (e, 2 * moe * h), (e, h * moe)]
-    elif spec.fused_gate_up:
-        mlp = [(2 * inter, h), (h, inter)]
-    else:
-        mlp = []
-        for out, fan_in in ((inter, h), (inter, h), (h, inter)):
-            mlp.append((out, fan_in))
-            if spec.mlp_bias:
-                mlp.append((out, 1))
+    dense = dense_mlp_shapes(spec, spec.intermediate_size)
+    mlp = moe_shapes(spec) if spec.num_experts else dense
     norm: list[Shape] = [(h, 1), (h, 1)] if spec.norm == "layer" else [(h, 1)]
     norms = norm * (4 if spec.sandwich_norm else 2)
     embedding = (spec.vocab_size, h)
@@ -91,7 +116,44 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
         norms=tuple(norms),
         final_norm=tuple(norm),
         lm_head=None if spec.tie_word_embeddings else embedding,
+        dense_layers=spec.dense_layers,
+        dense_mlp=tuple(dense) if spec.dense_layers else (),
+        router_index=router_position(spec),
     )
+
+
+def router_position(spec: ModelSpec) -> int | None:
+    """Where moe_shapes puts the router weight, for a MoE model."""
+    if not spec.num_experts:
+        return None
+    rules = FAMILIES[spec.model_type].config.moe
+    return 0 if rules is None or rules.router == "softmax" else 2
+
+
+def dense_mlp_shapes(spec: ModelSpec, inter: int, bias: bool | None = None) -> list[Shape]:
+    """A gated MLP `inter` wide: gate, up and down (their biases after each), or phi3's fused
+    gate_up and down."""
+    h = spec.hidden_size
+    if spec.fused_gate_up:
+        return [(2 * inter, h), (h, inter)]
+    shapes: list[Shape] = []
+    for out, fan_in in ((inter, h), (inter, h), (h, inter)):
+        shapes.append((out, fan_in))
+        if spec.mlp_bias if bias is None else bias:
+            shapes.append((out, 1))
+    return shapes
+
+
+def moe_shapes(spec: ModelSpec) -> list[Shape]:
+    """A MoE block: transformers 5 keeps the experts as 3-D parameters, (experts, 2 x moe, h)
+    and (experts, h, moe), beside the (experts, h) router: registered first (Mixtral, Qwen3),
+    or after the experts and before the shared experts' MLP (DeepSeek-style)."""
+    e, moe, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    router, experts = [(e, h)], [(e, 2 * moe * h), (e, h * moe)]
+    rules = FAMILIES[spec.model_type].config.moe
+    if rules is None or rules.router == "softmax":
+        return router + experts
+    return experts + router + dense_mlp_shapes(spec, spec.shared_expert_intermediate_size, False)
 
 
 def param_tensors(spec: ModelSpec) -> ParamTensors:
@@ -103,4 +165,7 @@ def param_tensors(spec: ModelSpec) -> ParamTensors:
         norms=tuple(map(numel, shapes.norms)),
         final_norm=tuple(map(numel, shapes.final_norm)),
         lm_head=numel(shapes.lm_head) if shapes.lm_head else 0,
+        dense_layers=shapes.dense_layers,
+        dense_mlp=tuple(map(numel, shapes.dense_mlp)),
+        router_index=shapes.router_index,
     )

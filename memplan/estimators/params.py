@@ -18,19 +18,29 @@ class ParamCounts:
     per_layer_other: int  # norms of one decoder layer
     per_layer_tensors: int
     layers: int
+    # A MoE model's layers with a dense MLP, and the matmul weights of one of them
+    dense_layers: int = 0
+    per_dense_layer_linear: int = 0
 
     @property
     def per_layer(self) -> int:
         return self.per_layer_linear + self.per_layer_other
 
     @property
+    def layers_linear(self) -> int:
+        """Matmul weights (+ biases) of all decoder layers."""
+        sparse = self.layers - self.dense_layers
+        return sparse * self.per_layer_linear + self.dense_layers * self.per_dense_layer_linear
+
+    @property
     def total(self) -> int:
-        return self.embedding + self.lm_head + self.final_norm + self.layers * self.per_layer
+        layers = self.layers_linear + self.layers * self.per_layer_other
+        return self.embedding + self.lm_head + self.final_norm + layers
 
     @property
     def linear_weights(self) -> int:
         """Parameters that go through a matmul (autocast keeps a low-precision copy of these)."""
-        return self.layers * self.per_layer_linear + (self.lm_head or self.embedding)
+        return self.layers_linear + (self.lm_head or self.embedding)
 
 
 def count_params(spec: ModelSpec) -> ParamCounts:
@@ -44,13 +54,15 @@ def count_params(spec: ModelSpec) -> ParamCounts:
     if spec.attention_out_bias:
         attn += h
         tensors += 1
+    dense_mlp = 3 * h * spec.intermediate_size + (
+        2 * spec.intermediate_size + h if spec.mlp_bias else 0
+    )
     if spec.num_experts:
         mlp = h * spec.num_experts + spec.num_experts * 3 * h * spec.moe_intermediate_size
-        tensors += 3
+        mlp += 3 * h * spec.shared_expert_intermediate_size
+        tensors += 3 + (3 if spec.shared_expert_intermediate_size else 0)
     else:
-        mlp = 3 * h * spec.intermediate_size + (
-            2 * spec.intermediate_size + h if spec.mlp_bias else 0
-        )
+        mlp = dense_mlp
         tensors += 3 + (3 if spec.mlp_bias else 0)
     norm_width = 2 * h if spec.norm == "layer" else h
     n_norms = 4 if spec.sandwich_norm else 2
@@ -65,6 +77,8 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         per_layer_other=other,
         per_layer_tensors=tensors,
         layers=spec.num_hidden_layers,
+        dense_layers=len(spec.dense_layers),
+        per_dense_layer_linear=attn + dense_mlp,
     )
 
 

@@ -21,6 +21,10 @@ MOE_SENTINEL_MASK_UNTIL = (5, 18)
 # From 5.24 DynamicLayer makes the cache's values in value_states' dtype, not the keys'; under
 # autocast the keys are fp32 after RoPE and the values the projection's bf16 or fp16.
 KV_VALUES_IN_KEY_DTYPE_UNTIL = (5, 24)
+# From 5.24 a DeepSeek-style MoE router's weight is made and kept in fp32 in a bf16 model
+# (_keep_in_fp32_modules_strict): its fp32 linear copies no weight, and the weight's gradient and
+# optimizer states are fp32.
+ROUTER_WEIGHT_FP32_FROM = (5, 24)
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -55,6 +59,12 @@ class Release:
     @property
     def kv_values_in_key_dtype(self) -> bool:
         return self.version[:2] < KV_VALUES_IN_KEY_DTYPE_UNTIL
+
+    def router_weight_in_fp32(self, model_type: str) -> bool:
+        family = FAMILIES.get(model_type)
+        moe = family.config.moe if family is not None else None
+        sigmoid = moe is not None and moe.router == "sigmoid_fp32"
+        return sigmoid and self.version[:2] >= ROUTER_WEIGHT_FP32_FROM
 
     def refuses_sdpa(self, model_type: str) -> bool:
         family = FAMILIES.get(model_type)

@@ -108,6 +108,7 @@ def layer_contexts(
             sliding=index < len(layer_types) and layer_types[index] == "sliding_attention",
             under_autocast=dtypes.autocast if under_autocast is None else under_autocast,
             rope=index not in spec.nope_layers,
+            moe=spec.moe_layer(index),
         )
         for index in range(spec.num_hidden_layers)
     ]
@@ -169,8 +170,8 @@ def forward_saved(
     blocks = round_block if rounded else int
     lora = bool(setup.lora_rank)
     contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
-    by_kind: dict[tuple[bool, bool, bool], tuple[list[int], list[int]]] = {}  # layers differ so
-    recomputed: dict[tuple[bool, bool, bool], tuple[list[int], list[int]]] = {}
+    by_kind: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}  # layers differ so
+    recomputed: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}
     # Without autocast the linears that read the residual stream keep the layer input itself.
     layer_input = (LAYER_INPUT,) if not dtypes.autocast else ()
     for ctx in contexts:
@@ -195,7 +196,8 @@ def forward_saved(
         gemma_norms(spec),
     )
     rope_dtype = FP32 if dtypes.autocast or spec.rope_in_fp32 else dtypes.residual
-    shared = rope_tables_kept(spec, contexts) * 2 * blocks(setup.seq * spec.head_dim * rope_dtype)
+    table = blocks(setup.seq * spec.rotated_dim * rope_dtype)
+    shared = rope_tables_kept(spec, contexts) * 2 * table
     embedding = 0 if lora else blocks(tokens * INT64)
     if FAMILIES[spec.model_type].scaled_embedding and not lora:
         embedding += blocks(dtypes.residual)  # the sqrt(hidden) normalizer, a 0-d tensor
@@ -210,10 +212,10 @@ def forward_saved(
     )
 
 
-def layer_kind(ctx: LayerContext) -> tuple[bool, bool, bool]:
+def layer_kind(ctx: LayerContext) -> tuple[bool, bool, bool, bool]:
     """What makes layers save different tensors: a sliding window, an input that needs no
-    gradient (the first layer under LoRA), RoPE applied or not."""
-    return ctx.sliding, ctx.needs_input_grad, ctx.rope
+    gradient (the first layer under LoRA), RoPE applied or not, a MoE or a dense MLP."""
+    return ctx.sliding, ctx.needs_input_grad, ctx.rope, ctx.moe
 
 
 def rope_tables_kept(spec: ModelSpec, contexts: list[LayerContext]) -> int:
@@ -396,7 +398,7 @@ class StepSizes:
     layer_fwd_transient: list[int]
     kv_cache: list[list[int]]  # per layer, the cache's keys and values attention does not save
     autocast_cache: int
-    mlp_bwd_transient: list[int]
+    mlp_bwd_transient: list[list[int]]  # per layer
     attention_bwd_transient: list[int]
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
@@ -420,13 +422,39 @@ def optimizer_tensors(
         per_element, _ = QUANTIZED_STATE_BYTES[setup.optimizer]
         return [[int(n * per_element)] for n in tensors], []
     state_elems, temp_elems = OPTIMIZER_STATES[setup.optimizer]
-    states = [[n * element] * int(state_elems) for n in tensors]
+    # states take each tensor's dtype: an fp32-kept router's on one GPU (router_weights_fp32)
+    widths = [element] * len(tensors)
+    if router_weights_fp32(spec, setup) and not lora:
+        widths = trained_vision_tower_widths(spec, setup, element) + text_widths(
+            spec, element, True
+        )
+    states = [[n * w] * int(state_elems) for n, w in zip(tensors, widths, strict=True)]
     if setup.optimizer in PER_TENSOR_STEP:
         largest = (
             max(tensors, default=0) if setup.distributed else largest_trainable_tensor(spec, setup)
         )
         return states, [largest * element]
-    return states, [n * element for n in tensors] if temp_elems else []
+    return states, [n * w for n, w in zip(tensors, widths, strict=True)] if temp_elems else []
+
+
+def router_weights_fp32(spec: ModelSpec, setup: TrainSetup) -> bool:
+    """The release keeps a DeepSeek-style router's weight in fp32 in a bf16 model (under fp32
+    weights and amp's it is fp32 anyway)."""
+    return Release.of(setup.transformers).router_weight_in_fp32(spec.model_type)
+
+
+def text_widths(spec: ModelSpec, param_bytes: int, router_fp32: bool) -> list[int]:
+    """Bytes per element of each text-model parameter, in registration order."""
+    tensors = param_tensors(spec)
+    sizes = tensors.bytes_in_order(spec.num_hidden_layers, param_bytes, router_fp32)
+    return [
+        size // n if n else param_bytes
+        for size, n in zip(sizes, tensors.in_order(spec.num_hidden_layers), strict=True)
+    ]
+
+
+def trained_vision_tower_widths(spec: ModelSpec, setup: TrainSetup, element: int) -> list[int]:
+    return [element] * len(trained_vision_tower(spec, setup))
 
 
 def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str) -> StepSizes:
@@ -441,16 +469,6 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     tokens = setup.batch * setup.seq
     h, p = spec.hidden_size, dtypes.proj
     nh, kv, hd = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
-    inter = (
-        spec.moe_intermediate_size * spec.num_experts_per_tok
-        if spec.num_experts
-        else spec.intermediate_size
-    )
-    glu_in_place = (
-        GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in setup.kernels
-        and not spec.fused_gate_up
-        and not spec.num_experts
-    )
     budget = setup.flce_memory_budget
     if budget is not None:
         chunk = kc.flce_chunk_for_budget(tokens, h, spec.vocab_size, p, budget, not lora)
@@ -478,16 +496,14 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         layer_fwd_transient=[tokens * p * nh * hd] * 3 + [tokens * dtypes.residual * h] * 2,
         # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
         # saved by its matmul, counted with the loss).
-        autocast_cache=round_block(
-            (n_lora if lora else autocast_weight_params(spec) * spec.num_hidden_layers) * p
-        )
+        autocast_cache=round_block((n_lora if lora else layers_autocast_weight_params(spec)) * p)
         if dtypes.autocast
         else 0,
         kv_cache=kv_cache_added(spec, setup, dtypes, backend, under_autocast),
-        # MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
-        # (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
-        # d(product) when the projections are separate).
-        mlp_bwd_transient=[tokens * p * inter] * (1 if glu_in_place else 3) + [tokens * p * h] * 2,
+        mlp_bwd_transient=[
+            mlp_backward_transient(spec, setup, dtypes, spec.moe_layer(index))
+            for index in range(spec.num_hidden_layers)
+        ],
         # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
         # gradients where attention materializes scores.
         attention_bwd_transient=[tokens * scores]
@@ -502,6 +518,30 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         if autocast_copies
         else [],
     )
+
+
+def layers_autocast_weight_params(spec: ModelSpec) -> int:
+    """The weights of every decoder layer that autocast caches a low-precision copy of."""
+    moe_layers = sum(spec.moe_layer(i) for i in range(spec.num_hidden_layers))
+    dense_layers = spec.num_hidden_layers - moe_layers
+    moe = autocast_weight_params(spec, moe=True) if moe_layers else 0
+    return moe_layers * moe + dense_layers * autocast_weight_params(spec)
+
+
+def mlp_backward_transient(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, moe: bool
+) -> list[int]:
+    """MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
+    (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
+    d(product) when the projections are separate); a MoE layer's over its routed rows."""
+    tokens, p, h = setup.batch * setup.seq, dtypes.proj, spec.hidden_size
+    inter = spec.moe_intermediate_size * spec.num_experts_per_tok if moe else spec.intermediate_size
+    glu_in_place = (
+        GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in setup.kernels
+        and not spec.fused_gate_up
+        and not moe
+    )
+    return [tokens * p * inter] * (1 if glu_in_place else 3) + [tokens * p * h] * 2
 
 
 def kv_cache_dtypes(
@@ -550,6 +590,7 @@ def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
     h = spec.hidden_size
     heads = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.head_dim
     dense = spec.intermediate_size * h * (2 if spec.fused_gate_up else 1)
+    dense = max(dense, spec.shared_expert_intermediate_size * h)
     experts = spec.num_experts * 2 * spec.moe_intermediate_size * h
     tower = max(trained_vision_tower(spec, setup), default=0)
     return max(spec.vocab_size * h, dense, heads * h, experts, tower)
@@ -633,11 +674,25 @@ def build(
         spec.num_hidden_layers
     )
     adapters = trainable_tensors(spec, setup) if setup.lora_rank else []
-    run.weights = builder.alloc_all(
-        "weights", layout.weight_tensors(elements, adapters, sizes.param_bytes)
-    )
+    weights = layout.weight_tensors(elements, adapters, sizes.param_bytes)
+    if router_weights_fp32(spec, setup):  # on one GPU only (parallel.strategies_modelled)
+        text = param_tensors(spec).bytes_in_order(spec.num_hidden_layers, sizes.param_bytes, True)
+        tower = [n * sizes.param_bytes for n in counted_vision_tower(spec, setup)]
+        weights = tower + text + [n * FP32 for n in adapters]
+    run.weights = builder.alloc_all("weights", weights)
+    run.weights += builder.alloc_all("weights", model_buffers(spec))
     run.buffers = layout.prepare(builder, sizes.param_bytes, trainable_tensors(spec, setup))
     return run
+
+
+def model_buffers(spec: ModelSpec) -> list[int]:
+    """Bytes of the buffers the estimate counts with the weights: a DeepSeek-style router's fp32
+    e_score_correction_bias (one per expert) in each MoE layer, whatever the weights' dtype."""
+    router = FAMILIES[spec.model_type].config.moe
+    if router is None or router.router != "sigmoid_fp32":
+        return []
+    moe_layers = sum(spec.moe_layer(i) for i in range(spec.num_hidden_layers))
+    return [FP32 * spec.num_experts] * moe_layers
 
 
 @dataclass(frozen=True)
@@ -650,7 +705,9 @@ class LayerGradients:
     norms: list[int]
 
 
-def layer_gradients(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes) -> LayerGradients:
+def layer_gradients(
+    spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, index: int = 0
+) -> LayerGradients:
     if setup.lora_rank:
         adapters = [
             (target, n * FP32)
@@ -663,8 +720,14 @@ def layer_gradients(spec: ModelSpec, setup: TrainSetup, sizes: StepSizes) -> Lay
         attention = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] < 2]
         return LayerGradients(mlp=mlp, attention=attention, norms=[])
     tensors = param_tensors(spec)
+    router_fp32 = router_weights_fp32(spec, setup)
+    first = len(tensors.attention)
+    mlp = [
+        n * tensors.width_at(index, first + position, sizes.param_bytes, router_fp32)
+        for position, n in enumerate(tensors.mlp_at(index))
+    ]
     return LayerGradients(
-        mlp=[n * sizes.param_bytes for n in reversed(tensors.mlp)],
+        mlp=mlp[::-1],
         attention=[n * sizes.param_bytes for n in reversed(tensors.attention)],
         norms=[n * sizes.param_bytes for n in reversed(tensors.norms)],
     )
@@ -856,8 +919,8 @@ def walk_step(
 
     if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
         run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
-    gradients = layer_gradients(spec, setup, sizes)
     for index in reversed(range(len(saved.layer_entries))):
+        gradients = layer_gradients(spec, setup, sizes, index)
         label = f"layer {index} backward"
         checkpoint_input: list[int] = []
         builder.at("backward", label)
@@ -873,7 +936,7 @@ def walk_step(
         # by attention's, what the layer saved after attention is freed.
         kept_before, kept_after = layer_kept[index]
         for part, nbytes, transient, kept in (
-            ("mlp", gradients.mlp, sizes.mlp_bwd_transient, kept_after),
+            ("mlp", gradients.mlp, sizes.mlp_bwd_transient[index], kept_after),
             ("attention", gradients.attention, sizes.attention_bwd_transient, kept_before),
         ):
             builder.at("backward", label)

@@ -14,18 +14,30 @@ from memplan.schema import GLU_KERNEL_BY_ACTIVATION, KERNEL_NAMES
 class MoeRules:
     """A sparse MoE block of transformers 5 (experts as 3-D parameters).
 
-    experts_key: the config key transformers' class reads (the other of num_experts /
-        num_local_experts is its alias). expert_width_key: each expert's intermediate size.
+    experts_key: the config key transformers' class reads (num_local_experts is the alias of
+        num_experts and of n_routed_experts; num_experts is num_local_experts').
+    expert_width_key: each expert's intermediate size.
     normalizes_by_default: whether the top-k weights are renormalized when the config has no
         norm_topk_prob. fp32_routing_weights: whether each routed row keeps its weight in fp32
         (the router softmax's dtype) rather than the router logits' dtype.
-    dense_layers_key: a key whose non-default value makes some layers dense (unsupported)."""
+    dense_layers_key: a key whose non-default value makes some layers dense (unsupported).
+    first_dense_key: the config key giving how many leading layers have a dense MLP
+        (DeepSeek-style first_k_dense_replace), read as ModelSpec.dense_layers.
+    shared_experts_key: the config key giving how many shared experts (one gated MLP of
+        expert width x that many) each MoE layer runs beside the routed ones.
+    router: "softmax": the router's linear in the input's dtype, a softmax; "sigmoid_fp32"
+        (DeepSeek-style): the linear on fp32 copies of its input and weight, sigmoid scores
+        plus an fp32 e_score_correction_bias buffer per MoE layer, group-limited top-k, the
+        routing weights in the router logits' dtype (fp32, autocast's under autocast)."""
 
-    experts_key: Literal["num_experts", "num_local_experts"]
+    experts_key: Literal["num_experts", "num_local_experts", "n_routed_experts"]
     expert_width_key: str
     normalizes_by_default: bool
     fp32_routing_weights: bool
     dense_layers_key: str | None = None
+    first_dense_key: str | None = None
+    shared_experts_key: str | None = None
+    router: Literal["softmax", "sigmoid_fp32"] = "softmax"
 
 
 @dataclass(frozen=True)
@@ -34,11 +46,13 @@ class ConfigRules:
     are the family's rather than the config's.
 
     attention_bias: "config" (q/k/v/o follow attention_bias), "never", "qkv" (q/k/v always,
-        o never) or "out_key" (q/k/v follow attention_bias, o attention_out_bias).
+        o never), "qkv_config" (q/k/v follow attention_bias, o never) or "out_key" (q/k/v
+        follow attention_bias, o attention_out_bias).
         windowed_layers: which layers slide when a window is given: "all", "all_if_enabled"
         (use_sliding_window), "from_max_window_layers", "pattern" (every
-        sliding_window_pattern-th layer is full), or "nope_if_enabled" (the layers without RoPE,
-        with use_sliding_window). reads_layer_types: whether the model reads config.layer_types
+        sliding_window_pattern-th layer is full), "nope_if_enabled" (the layers without RoPE,
+        with use_sliding_window), or "never" (the family's attention takes no window).
+        reads_layer_types: whether the model reads config.layer_types
         (Mistral's and Ministral 3's slide every layer whatever it says); where it does, they
         say it for every rule. fused: one qkv_proj and one gate_up_proj. llama4_query_scale:
         attention multiplies the queries after RoPE by Llama 4's position-dependent factor
@@ -57,18 +71,22 @@ class ConfigRules:
         add (OLMo 2/3), so the projections read the residual stream itself.
     rope_in_fp32: the rotary embedding returns fp32 cos/sin whatever the hidden states' dtype,
         and apply_rotary_pos_emb rotates in fp32 and casts q and k back to their own dtype.
-    rope_per_layer_type: the model computes one cos/sin pair per attention layer type."""
+    rope_per_layer_type: the model computes one cos/sin pair per attention layer type.
+    qk_norm_key: the config key that switches the q/k norms on (GLM-4.5's use_qk_norm); None:
+        the family's qk_norm decides.
+    partial_rotary: RoPE rotates the first partial_rotary_factor of each head's dims (the
+        factor in rope_parameters, else the config's top-level key)."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
-    attention_bias: Literal["config", "never", "qkv", "out_key"] = "config"
+    attention_bias: Literal["config", "never", "qkv", "qkv_config", "out_key"] = "config"
     residual_dropout_key: str | None = None
     mlp_bias: bool = False  # whether the config's mlp_bias is read (otherwise no MLP bias)
     nope_layers: bool = False
     nope_full_layers: bool = False
     multipliers: bool = False
     windowed_layers: Literal[
-        "all", "all_if_enabled", "from_max_window_layers", "pattern", "nope_if_enabled"
+        "all", "all_if_enabled", "from_max_window_layers", "pattern", "nope_if_enabled", "never"
     ] = "all"
     sliding_window_pattern: int | None = None
     reads_layer_types: bool = True
@@ -80,6 +98,8 @@ class ConfigRules:
     rope_per_layer_type: bool = False
     fused: bool = False
     llama4_query_scale: bool = False
+    qk_norm_key: str | None = None
+    partial_rotary: bool = False
     moe: MoeRules | None = None
 
     def __post_init__(self) -> None:
@@ -91,6 +111,8 @@ class ConfigRules:
             raise ValueError("nope_layers and nope_full_layers pick the NoPE layers; give one")
         if self.windowed_layers == "nope_if_enabled" and not self.nope_layers:
             raise ValueError("windowed_layers='nope_if_enabled' needs nope_layers")
+        if self.qk_norm_key is not None and self.qk_norm:
+            raise ValueError("qk_norm_key reads the q/k norms from the config; give no qk_norm")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ class AttentionSpec:
 
     qkv: "separate" (q_proj, k_proj, v_proj) or "fused" (one qkv_proj, phi3).
     qk_norm: RMSNorm on q and k (q_norm, k_norm), before RoPE.
+    qk_norm_flag_attr: module attribute saying whether the module has them (GLM-4.5's
+        use_qk_norm, from the config); None: every module of the family has them.
     qk_norm_scope: "head": each head's vector, after the split into heads (Qwen3, Gemma 3);
         "projection": the whole q / k projection output, before the split (OLMo 2/3).
     sliding_window: where the family reads the window it passes to the interface: the module's
@@ -55,6 +57,7 @@ class AttentionSpec:
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
     qk_norm: bool = False
+    qk_norm_flag_attr: str | None = None
     qk_norm_scope: Literal["head", "projection"] = "head"
     sliding_window: Literal["module", "config"] | None = None
     softcap_attr: str | None = None

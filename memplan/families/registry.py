@@ -66,6 +66,17 @@ _MISTRAL_7B = {
     "max_position_embeddings": 131072,
 }
 _EXPERTS_KEPT = ("the experts (3-D fused weights) keep transformers' implementation",)
+# DeepSeek-style MoE layers (GLM-4.5): an fp32 sigmoid router with an expert-bias buffer and
+# group-limited top-k, shared experts beside the routed ones, the first layers dense.
+_DEEPSEEK_MOE = MoeRules(
+    experts_key="n_routed_experts",
+    expert_width_key="moe_intermediate_size",
+    normalizes_by_default=True,
+    fp32_routing_weights=True,
+    first_dense_key="first_k_dense_replace",
+    shared_experts_key="n_shared_experts",
+    router="sigmoid_fp32",
+)
 
 # Olmo2Config's and Olmo3Config's shared defaults (OLMo 7B's sizes).
 _OLMO_7B = {
@@ -188,6 +199,48 @@ FAMILIES: dict[str, Family] = {
                 notes=_EXPERTS_KEPT,
             ),
             tiny_from="mixtral-8x7b",
+        ),
+        Family(
+            model_type="glm4_moe",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 151552,
+                    "hidden_size": 4096,
+                    "intermediate_size": 10944,
+                    "num_hidden_layers": 46,
+                    "num_attention_heads": 96,
+                    "num_key_value_heads": 8,
+                    "max_position_embeddings": 131072,
+                    "n_routed_experts": 128,
+                    "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 1408,
+                    "n_shared_experts": 1,
+                    "n_group": 1,
+                    "topk_group": 1,
+                    "first_k_dense_replace": 1,
+                    "use_qk_norm": False,
+                    "partial_rotary_factor": 0.5,
+                },
+                attention_bias="qkv_config",
+                windowed_layers="never",
+                reads_layer_types=False,
+                qk_norm_key="use_qk_norm",
+                partial_rotary=True,
+                moe=_DEEPSEEK_MOE,
+            ),
+            patch=PatchSpec(
+                model_type="glm4_moe",
+                norm=NormSpec(classes=("Glm4MoeRMSNorm",)),
+                attention=AttentionSpec(
+                    classes=("Glm4MoeAttention",), qk_norm=True, qk_norm_flag_attr="use_qk_norm"
+                ),
+                # The dense layers' MLP and each MoE layer's shared experts.
+                mlp=MlpSpec(classes=("Glm4MoeMLP",)),
+                causal_lm=CausalLMSpec(classes=("Glm4MoeForCausalLM",)),
+                decoder_layer=DecoderLayerSpec(classes=("Glm4MoeDecoderLayer",)),
+                notes=_EXPERTS_KEPT,
+            ),
+            tiny_from="glm-4.5-air",
         ),
         Family(
             model_type="qwen2",

@@ -500,10 +500,13 @@ def _plan_targets(
             elif "rope" in chosen and cls in spec.attention.classes:
                 needed = ["config", "head_dim", "scaling", "layer_idx", "o_proj"]
                 needed += ["qkv_proj"] if spec.attention.qkv == "fused" else ["q_proj", "k_proj"]
-                needed += ["q_norm", "k_norm"] if spec.attention.qk_norm else []
+                flag = spec.attention.qk_norm_flag_attr
+                normed = spec.attention.qk_norm and (flag is None or getattr(module, flag, False))
+                needed += ["q_norm", "k_norm"] if normed else []
                 needed += [spec.attention.softcap_attr] if spec.attention.softcap_attr else []
                 needed += ["sliding_window"] if spec.attention.sliding_window == "module" else []
                 optional = (
+                    flag,
                     spec.attention.output_dropout_attr,
                     spec.attention.rope_flag_attr,
                     spec.attention.sliding_flag_attr,

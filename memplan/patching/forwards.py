@@ -312,6 +312,10 @@ def attention_forward(
     rope_flag_attr = spec.rope_flag_attr
     sliding_flag_attr = spec.sliding_flag_attr
 
+    def qk_normed(module: nn.Module) -> bool:
+        flag = spec.qk_norm_flag_attr
+        return spec.qk_norm and (flag is None or bool(getattr(module, flag)))
+
     def rotates(module: nn.Module) -> bool:
         if rope_flag_attr is not None and not getattr(module, rope_flag_attr):
             return False
@@ -351,7 +355,7 @@ def attention_forward(
             query = self.q_proj(x_q)
             key = self.k_proj(x_k)
             value = self.v_proj(x_v)
-        if spec.qk_norm and spec.qk_norm_scope == "projection":
+        if qk_normed(self) and spec.qk_norm_scope == "projection":
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (t.view(hidden_shape) for t in (query, key, value))
 
@@ -359,7 +363,7 @@ def attention_forward(
         # before it, the norm kernel reads contiguous rows and its output keeps the (batch, seq,
         # heads, head_dim) layout transformers' own ops keep (a contiguous (batch, heads, seq,
         # ...) output would make attention's output need a copy before o_proj).
-        if spec.qk_norm and spec.qk_norm_scope == "head":
+        if qk_normed(self) and spec.qk_norm_scope == "head":
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
 

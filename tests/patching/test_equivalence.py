@@ -140,6 +140,27 @@ def test_exaone4_rotates_only_its_sliding_layers_where_a_window_is_set(
     assert len(calls) == rotated
 
 
+@pytest.mark.parametrize("qk_norm", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_glm4_moe_rotates_half_of_each_head_and_keeps_its_experts(monkeypatch, qk_norm):
+    """GLM-4.5: q/k norms where use_qk_norm says so, RoPE on the first half of each head (the
+    rest passed through) in both layers, SwiGLU in the dense layer's MLP and in the MoE layer's
+    shared experts, the routed experts and the fp32 router as transformers runs them; the
+    model trains as HF's does."""
+    calls = rope_calls(monkeypatch)
+    reference, patched = pair("glm4_moe", use_qk_norm=qk_norm)
+    layers = reference.model.layers
+    assert [hasattr(layer.mlp, "experts") for layer in layers] == [False, True]
+    assert hasattr(layers[0].self_attn, "q_norm") == qk_norm
+    applied = mp.apply(patched)
+    assert {"rms_norm", "rope", "swiglu", "flce"} <= set(applied.kernels)
+    assert set(applied.modules["swiglu"]) == {
+        "model.layers.0.mlp",
+        "model.layers.1.mlp.shared_experts",
+    }
+    lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
+    assert len(calls) == 2 * 2  # each layer rotates in each of the two steps
+
+
 @pytest.mark.parametrize(
     "loss_kernel", ["flce", pytest.param("cross_entropy", marks=pytest.mark.slow)]
 )

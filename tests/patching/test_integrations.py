@@ -34,6 +34,8 @@ from .tiny_models import assert_grads_close, batch, build, lockstep, pair, rel_e
         pytest.param("olmo2", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
         # q and k normalized per head after their adapters, RoPE in the sliding layer only
         pytest.param("exaone4", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
+        # half of each head rotated after the adapters; the experts' block keeps its forward
+        pytest.param("glm4_moe", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
     ],
 )
 def test_peft_lora_model_trains_like_hf(family, targets):

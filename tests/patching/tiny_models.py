@@ -42,8 +42,9 @@ def shrink(
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
     sequences (so it matters), alternating sliding/full layers for Gemma 2/3, OLMo 3 and EXAONE 4
-    (whose full layers apply no RoPE), layers with and without RoPE for SmolLM3, fewer experts,
-    Ministral 3's query factor past the fourth position.
+    (whose full layers apply no RoPE), layers with and without RoPE for SmolLM3, fewer experts
+    (in two groups where the router picks groups first), Ministral 3's query factor past the
+    fourth position.
     Without `dropout` the family's dropouts are off, so that two models of it compute the same
     in training whatever random numbers each draws."""
     sizes = TINY if sizes is None else sizes
@@ -74,6 +75,8 @@ def shrink(
         config.update(
             num_experts=experts, moe_intermediate_size=moe_intermediate, mlp_only_layers=[last]
         )
+    if "n_routed_experts" in config:  # DeepSeek-style (glm4_moe): two groups of experts
+        config.update(n_routed_experts=experts, moe_intermediate_size=moe_intermediate, n_group=2)
     if "num_experts_per_tok" in config:
         config.update(num_experts_per_tok=2, output_router_logits=True)
     rope = config.get("rope_parameters")

@@ -50,13 +50,16 @@ VARIANTS = {
     "granite": {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
     # full layers without RoPE keep q and k in bf16 under autocast, post-norm's fp32 products
     "exaone4": {"precision": "amp-bf16"},
+    # the fp32 router's inputs cast by autocast, routing weights in bf16, q cast heads-major
+    "glm4_moe": {"precision": "amp-bf16"},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
 # dropout with LoRA on the projections before it, and recomputed under checkpointing;
 # smollm3's windows on its layers without RoPE, and their KV cache (k in bf16 there); granite's
 # divided logits under autocast; exaone4's NoPE full layers under checkpointing (and amp), LoRA
-# and without a window.
+# and without a window; glm4_moe's dense and MoE layers recomputed (with q/k norms), its frozen
+# fp32 router under LoRA.
 EXTRA_VARIANTS = [
     # fp32 eager: softmax backward's three fp32 score-sized tensors
     ("llama", {}, {"attn": "eager", "precision": "fp32"}),
@@ -77,6 +80,14 @@ EXTRA_VARIANTS = [
     ("exaone4", {}, {"grad_checkpointing": True, "precision": "amp-bf16"}),
     # no window: every layer rotates
     ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}, {}),
+    ("glm4_moe", {"use_qk_norm": True}, {"grad_checkpointing": True}),
+    ("glm4_moe", {"use_qk_norm": True}, {"grad_checkpointing": True, "precision": "amp-bf16"}),
+    ("glm4_moe", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
+    (
+        "glm4_moe",
+        {},
+        {"lora_rank": 16, "lora_targets": ("k_proj", "o_proj"), "precision": "amp-bf16"},
+    ),
     ("granite", {}, {"precision": "amp-bf16"}),
     ("seed_oss", {}, {"lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
     ("seed_oss", {}, {"grad_checkpointing": True}),
