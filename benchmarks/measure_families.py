@@ -48,6 +48,7 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
     # one dense and one MoE layer: 128 experts of 1408, a shared expert, the fp32 router frozen
     # under LoRA
     ("glm-4.5-air", 2, 4, LORA),
+    ("gemma-4-31b", 4, 2, CHECKPOINTING),
 ]
 
 

@@ -113,6 +113,23 @@ class ModelSpec(BaseModel):
     layer_types: tuple[str, ...] | None = None
     # Layers that apply no RoPE to q and k (SmolLM3's NoPE layers), by index.
     nope_layers: tuple[int, ...] = ()
+    # Gemma 4: the full-attention layers, by index, take their own head dim and KV heads, and
+    # with values_from_keys there no v_proj: v is k_proj's output (attention_k_eq_v).
+    global_layers: tuple[int, ...] = ()
+    global_head_dim: int | None = Field(default=None, gt=0)
+    global_key_value_heads: int | None = Field(default=None, gt=0)
+    global_values_from_keys: bool = False
+    # This layer's v is k_proj's output (a view of one layer: ModelSpec.layer).
+    values_from_keys: bool = False
+    # Gemma 4: a scale-free RMSNorm on v (v_norm) beside q_norm and k_norm.
+    v_norm: bool = False
+    # Gemma 4: each layer multiplies its output in place by a 1-element buffer, which the
+    # product keeps for backward.
+    layer_scalar: bool = False
+    # Gemma 4: these layers (the last of each attention type) keep their k and v in the
+    # model's shared_kv_states until the forward returns, and under checkpointing until the
+    # end of backward (by then their recomputation's).
+    kv_kept_layers: tuple[int, ...] = ()
     # Granite's multipliers: of the embedding, of each attention and MLP output before its
     # residual add, and the divisor of the logits; None where the family has none.
     embedding_multiplier: float | None = None
@@ -159,6 +176,14 @@ class ModelSpec(BaseModel):
             )
         if self.rotary_dim is not None and self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim ({self.rotary_dim}) exceeds head_dim ({self.head_dim})")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.global_layers):
+            raise ValueError(f"global_layers {self.global_layers} name layers the model lacks")
+        heads = self.global_key_value_heads
+        if heads is not None and self.num_attention_heads % heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"global_key_value_heads ({heads})"
+            )
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for "
@@ -181,6 +206,29 @@ class ModelSpec(BaseModel):
     def rotated_dim(self) -> int:
         """The dims of each head that RoPE rotates (cos and sin are this wide)."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every decoder layer has the same attention geometry (no Gemma 4 global layers)."""
+        return not self.global_layers
+
+    def layer(self, index: int) -> ModelSpec:
+        """The spec as decoder layer `index` sees it: a global layer's head dim, KV heads and
+        values taken from the keys in place of the model's (the spec itself elsewhere)."""
+        if index not in self.global_layers:
+            return self
+        return self.model_copy(
+            update={
+                "head_dim": self.global_head_dim or self.head_dim,
+                "num_key_value_heads": self.global_key_value_heads or self.num_key_value_heads,
+                "values_from_keys": self.global_values_from_keys,
+                "global_layers": (),
+            }
+        )
+
+    def layers(self) -> list[ModelSpec]:
+        """ModelSpec.layer of every decoder layer, in order."""
+        return [self.layer(index) for index in range(self.num_hidden_layers)]
 
     @property
     def vision_tower_params(self) -> int:

@@ -24,8 +24,9 @@ from memplan.catalog import (
 from memplan.catalog.gpus import _GPUS_JSON
 from memplan.catalog.models import _MODELS_JSON
 from memplan.errors import MemplanError, UsageError
-from memplan.estimators import count_params
+from memplan.estimators import count_params, estimate
 from memplan.families import FAMILIES
+from memplan.schema import TrainSetup
 
 ENTRIES = {entry.key: entry for entry in list_model_entries()}
 RAW = json.loads(_MODELS_JSON.read_text())
@@ -128,6 +129,13 @@ def test_known_values_of_a_few_checkpoints():
     assert (air.head_dim, air.rotary_dim, air.rotated_dim) == (128, 64, 64)
     assert (air.attention_bias, air.attention_out_bias, air.qk_norm) == (True, False, False)
     assert count_params(air).total == 106852245504  # "106 billion total parameters"
+    gemma4 = resolve_model("gemma-4-31b")
+    full = tuple(range(5, 60, 6))
+    assert gemma4.global_layers == full and gemma4.kv_kept_layers == (58, 59)
+    assert (gemma4.head_dim, gemma4.num_key_value_heads, gemma4.sliding_window) == (256, 16, 1024)
+    layer = gemma4.layer(5)
+    assert (layer.head_dim, layer.num_key_value_heads, layer.values_from_keys) == (512, 4, True)
+    assert gemma4.layer(4) is gemma4 and gemma4.rope_tables == 2 and gemma4.v_norm
     olmo3 = resolve_model("olmo-3-32b-think")
     assert (olmo3.num_key_value_heads, olmo3.sliding_window, olmo3.rope_tables) == (8, 4096, 2)
     assert olmo3.layer_types.count("full_attention") == 64 // 4 and not olmo3.use_cache
@@ -454,6 +462,58 @@ def test_valid_edge_values_are_read_as_transformers_reads_them(overrides, expect
     assert {key: getattr(spec, key) for key in expected} == expected
 
 
+GEMMA4 = {"model_type": "gemma4_text", "hidden_size_per_layer_input": 0}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value", "what"),
+    [
+        ({"model_type": "gemma4_text"}, "hidden_size_per_layer_input", "256",
+         "per-layer embeddings into every layer"),
+        ({**GEMMA4, "num_kv_shared_layers": 20}, "num_kv_shared_layers", "20",
+         "layers that reuse an earlier layer's keys/values"),
+        ({**GEMMA4, "enable_moe_block": True}, "enable_moe_block", "true",
+         "a mixture-of-experts block beside the MLP"),
+        ({**GEMMA4, "use_bidirectional_attention": "all"}, "use_bidirectional_attention",
+         '"all"', "bidirectional text attention"),
+    ],
+)  # fmt: skip
+def test_unmodelled_gemma4_traits_are_refused_in_one_line(overrides, key, value, what):
+    with pytest.raises(MemplanError) as error:
+        spec_from_config({**TINY_LLAMA, **overrides})
+    assert _one_line(error).startswith(f"gemma4_text with {key} {value} ({what}) is not modelled")
+
+
+def test_gemma4_per_layer_config_reads_as_the_global_keys():
+    """transformers 5.17 writes the full layers' geometry as per_layer_config (to_dict); the
+    published configs give global_head_dim and num_global_key_value_heads: the same spec."""
+    from transformers import AutoConfig
+
+    given = {**TINY_LLAMA, **GEMMA4, "num_hidden_layers": 7, "head_dim": 16}
+    given.update(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True)
+    reference = AutoConfig.for_model(**given).to_dict()
+    assert "global_head_dim" not in reference and reference["per_layer_config"]
+    spec = spec_from_config(given)
+    assert _fields(spec) == _fields(spec_from_config(reference))
+    # the pattern's sixth layer and, forced, the last are full
+    assert spec.global_layers == (5, 6) and spec.kv_kept_layers == (4, 6)
+    assert (spec.layer(6).head_dim, spec.layer(6).num_key_value_heads) == (32, 1)
+    uneven = {**reference, "per_layer_config": {"5": {"head_dim": 32}, "6": {"head_dim": 64}}}
+    with pytest.raises(MemplanError) as error:
+        spec_from_config(uneven)
+    assert "config key 'per_layer_config' must be" in _one_line(error)
+
+
+def test_gemma4_layers_of_two_geometries_are_refused_under_a_strategy():
+    spec = resolve_model("gemma-4-31b")
+    with pytest.raises(UsageError) as error:
+        estimate(spec, TrainSetup(batch=1, seq=64, gpus=2, strategy="ddp"))
+    assert _one_line(error) == (
+        "gemma4_text's layers of two attention geometries are modelled on one GPU only, "
+        "not under ddp"
+    )
+
+
 def test_a_spec_pydantic_refuses_is_one_memplan_error():
     with pytest.raises(MemplanError) as error:
         spec_from_config(TINY_LLAMA, name=123)
@@ -752,12 +812,30 @@ ODD_SIZES = {"hidden_size": 384, "num_attention_heads": 4, "num_key_value_heads"
 @pytest.mark.parametrize("sizes", [{}, ODD_SIZES], ids=["defaults", "odd-sizes"])
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_family_defaults_match_transformers(model_type, sizes):
+    """Beside the sizes, each key whose class default builds what memplan does not model
+    (ConfigRules.unmodelled: Gemma 4's per-layer embeddings) takes its first modelled value."""
     from transformers import AutoConfig
 
-    reference = AutoConfig.for_model(model_type, **sizes).to_dict()
-    assert _fields(spec_from_config({"model_type": model_type, **sizes})) == _fields(
+    modelled = {rule.key: rule.modelled[0] for rule in FAMILIES[model_type].config.unmodelled}
+    reference = AutoConfig.for_model(model_type, **sizes, **modelled).to_dict()
+    assert _fields(spec_from_config({"model_type": model_type, **sizes, **modelled})) == _fields(
         spec_from_config(reference)
     )
+
+
+@pytest.mark.parametrize(
+    "model_type", [name for name, family in FAMILIES.items() if family.config.unmodelled]
+)
+def test_unmodelled_class_defaults_are_refused_in_one_line(model_type):
+    """A config that leaves the unmodelled keys at their class defaults is refused, as the
+    class's own to_dict() is (Gemma4TextConfig's defaults build per-layer embeddings)."""
+    from transformers import AutoConfig
+
+    reference = AutoConfig.for_model(model_type).to_dict()
+    for config in ({"model_type": model_type}, reference):
+        with pytest.raises(MemplanError) as error:
+            spec_from_config(config)
+        assert "is not modelled" in _one_line(error)
 
 
 def text_config_of(config: dict) -> dict:
@@ -833,6 +911,14 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     assert hasattr(layer, "input_layernorm") != spec.post_norm
     if FAMILIES[spec.model_type].config.rope_per_layer_type:
         assert spec.rope_tables == len(model.model.rotary_emb.layer_types)
+    assert hasattr(layer, "layer_scalar") == spec.layer_scalar
+    if not spec.fused_qkv:  # each layer's geometry (Gemma 4's global layers: ModelSpec.layer)
+        for index, built in enumerate(model.model.layers):
+            view, built_attn = spec.layer(index), built.self_attn
+            assert built_attn.q_proj.out_features == spec.num_attention_heads * view.head_dim
+            assert built_attn.k_proj.out_features == view.num_key_value_heads * view.head_dim
+            assert (getattr(built_attn, "v_proj", None) is None) == view.values_from_keys
+            assert hasattr(built_attn, "v_norm") == spec.v_norm
 
     mlp = layer.mlp
     assert hasattr(mlp, "gate_up_proj") == spec.fused_gate_up
@@ -846,7 +932,7 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     assert sparse == [spec.moe_layer(i) for i in range(spec.num_hidden_layers)]
     tables = model.model.rotary_emb.named_buffers()
     angles = {b.numel() for name, b in tables if name.split(".")[-1].endswith("inv_freq")}
-    assert angles == {spec.rotated_dim // 2}
+    assert angles == {layer.rotated_dim // 2 for layer in spec.layers()}  # Gemma 4: two widths
     if spec.num_experts and any(sparse):
         moe = model.model.layers[sparse.index(True)].mlp
         gate_up = moe.experts.gate_up_proj

@@ -187,6 +187,11 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         # heads-major q (half of each head rotated) makes SDPA's output a copy for o_proj
         ("glm4_moe", ("q_proj", "v_proj"), "bf16", "sdpa"),
         pytest.param("glm4_moe", ("k_proj", "o_proj"), "fp32", "eager", marks=pytest.mark.slow),
+        # Gemma 4: the full layer has no v_proj to adapt (its values are its keys); v_norm keeps
+        # what it needs only where v needs a gradient
+        ("gemma4_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        pytest.param("gemma4_text", ALL_LINEAR, "fp32", "eager", marks=pytest.mark.slow),
+        pytest.param("gemma4_text", ("k_proj",), "bf16", "eager", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -241,6 +246,10 @@ def test_lora_matches_autograd_on_cpu(
                 ("granite", ("rms_norm", "rope", "swiglu", "flce"), "fp32", ()),
                 ("glm4_moe", ("rms_norm", "rope", "swiglu", "cross_entropy"), "fp32", ()),
                 ("glm4_moe", ("rope",), "bf16", ("q_proj",)),
+                # v_norm, without a weight, keeps HF's forward beside the kernels' norms
+                ("gemma4_text", ("rms_norm", "rope", "geglu", "flce"), "bf16", ()),
+                ("gemma4_text", ("rms_norm", "rope", "geglu", "cross_entropy"), "fp32", ()),
+                ("gemma4_text", ("rms_norm", "rope"), "bf16", ("k_proj", "o_proj")),
             ]
         ),
         # glm4_moe: RoPE on half of each head (q heads-major after it), SwiGLU in the dense layer

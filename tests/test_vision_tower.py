@@ -70,6 +70,25 @@ def mistral3(vision: dict | None, text_type: str = "mistral", **outer) -> dict:
     return {"model_type": "mistral3", "text_config": text, "vision_config": vision, **outer}
 
 
+TINY_GEMMA4_VISION = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "patch_size": 4,
+    "position_embedding_size": 64,
+}
+
+
+def gemma4(vision: dict | None, **outer) -> dict:
+    text = {**TINY_TEXT, "model_type": "gemma4_text", "hidden_size_per_layer_input": 0}
+    text.update(layer_types=["sliding_attention", "full_attention"], global_head_dim=32)
+    return {"model_type": "gemma4", "text_config": text, "vision_config": vision, **outer}
+
+
 CONFIGS = {
     "mistral-small-3.1 (published)": PUBLISHED,
     "gemma-3-4b vision_config": gemma3(GEMMA3_4B_VISION, mm_tokens_per_image=256),
@@ -85,6 +104,9 @@ CONFIGS = {
     ),
     "pixtral, rectangular patches": mistral3({**TINY_PIXTRAL, "patch_size": [4, 2]}),
     "mistral3 without vision_config": mistral3(None),
+    "gemma4 vision tower and embedder": gemma4(TINY_GEMMA4_VISION),
+    "gemma4, vision_config defaults": gemma4({"model_type": "gemma4_vision"}),
+    "gemma4 without vision_config": gemma4(None),
 }
 
 

@@ -85,6 +85,17 @@ FAMILIES = {
         "use_qk_norm": True,
         "attention_bias": True,
     },
+    # a sliding layer and a full one of its own head dim and KV head whose values are its keys,
+    # the window reached at seq 64
+    "gemma4_text": {
+        "head_dim": 64,
+        "global_head_dim": 128,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "hidden_size_per_layer_input": 0,
+    },
 }
 
 
@@ -112,6 +123,7 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
             "smollm3",
             "granite",
             "exaone4",
+            "gemma4_text",
         )
     },
     "phi3": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("o_proj",)),

@@ -80,6 +80,7 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
             f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
         )
 
+    _check_modelled(rules, cfg, model_type)
     attention_bias, attention_out_bias = _attention_biases(rules, cfg)
     if rules.llama4_query_scale:
         _check_llama4_scale(cfg, model_type)
@@ -127,6 +128,10 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "sliding_window": sliding_window,
         "layer_types": layer_types,
         "nope_layers": nope_layers,
+        **_global_layers(rules, cfg, layers, head_dim, kv_heads),
+        "v_norm": rules.v_norm,
+        "layer_scalar": rules.layer_scalar,
+        "kv_kept_layers": _kv_kept_layers(rules, cfg, layers),
         **_multipliers(rules, cfg),
         "num_experts": num_experts,
         "num_experts_per_tok": experts_per_tok,
@@ -287,6 +292,86 @@ def _text_config(config: dict[str, Any], wrapper: str) -> dict[str, Any]:
     return {**text_config, "model_type": text_type}
 
 
+def _check_modelled(rules: ConfigRules, cfg: dict[str, Any], model_type: str) -> None:
+    """One line for the first key whose value builds what memplan does not model."""
+    for rule in rules.unmodelled:
+        value = cfg.get(rule.key)
+        if value not in rule.modelled or isinstance(value, bool) != isinstance(
+            rule.modelled[0], bool
+        ):
+            allowed = " or ".join(_show(v) for v in rule.modelled)
+            raise MemplanError(
+                f"{model_type} with {rule.key} {_show(value)} ({rule.what}) is not modelled; "
+                f"memplan models {rule.key} {allowed}"
+            )
+
+
+def _global_layers(
+    rules: ConfigRules, cfg: dict[str, Any], layers: int, head_dim: int, kv_heads: int
+) -> dict[str, Any]:
+    """Gemma 4's full-attention layers and the geometry they take: per_layer_config's entries
+    where the config gives one (transformers 5.17 writes it), else global_head_dim (512 by
+    default, as Gemma4TextConfig pops it) and, with attention_k_eq_v,
+    num_global_key_value_heads; with attention_k_eq_v they have no v_proj."""
+    if not rules.global_layers:
+        return {}
+    types = _model_layer_types(rules, cfg, layers)
+    full = tuple(i for i, kind in enumerate(types) if kind == "full_attention")
+    k_eq_v = _boolean(cfg, "attention_k_eq_v")
+    if cfg.get("per_layer_config") is not None:
+        global_head_dim, global_kv = _per_layer_geometry(cfg, full, head_dim, kv_heads)
+    else:
+        global_head_dim = _positive_int(cfg, "global_head_dim")
+        global_kv = _optional_positive_int(cfg, "num_global_key_value_heads") if k_eq_v else None
+        global_kv = global_kv or kv_heads
+    heads = _positive_int(cfg, "num_attention_heads")
+    if heads % global_kv:
+        raise MemplanError(
+            f"num_attention_heads ({heads}) is not a multiple of the full-attention layers' "
+            f"key-value heads ({global_kv})"
+        )
+    return {
+        "global_layers": full,
+        "global_head_dim": global_head_dim,
+        "global_key_value_heads": global_kv,
+        "global_values_from_keys": k_eq_v,
+    }
+
+
+def _kv_kept_layers(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """The last layer of each attention type, which Gemma 4 keeps the k and v of."""
+    if not rules.keeps_last_kv_per_type:
+        return ()
+    types = _model_layer_types(rules, cfg, layers)
+    return tuple(sorted({kind: i for i, kind in enumerate(types)}.values()))
+
+
+def _per_layer_geometry(
+    cfg: dict[str, Any], full: tuple[int, ...], head_dim: int, kv_heads: int
+) -> tuple[int, int]:
+    """The one head_dim / num_key_value_heads override per_layer_config gives every
+    full-attention layer (and no other layer)."""
+    entries = cfg["per_layer_config"]
+    expected = "an object of layer index -> {head_dim, num_key_value_heads}, the same for every "
+    expected += "full-attention layer and none for the others"
+    if not isinstance(entries, dict):
+        raise _bad_value("per_layer_config", entries, expected)
+    overrides = {}
+    for key, entry in entries.items():
+        if not (isinstance(key, str) and key.isdigit()) or not isinstance(entry, dict):
+            raise _bad_value("per_layer_config", entries, expected)
+        if set(entry) - {"head_dim", "num_key_value_heads"}:
+            raise _bad_value("per_layer_config", entries, expected)
+        overrides[int(key)] = (
+            _optional_positive_int(entry, "head_dim") or head_dim,
+            _optional_positive_int(entry, "num_key_value_heads") or kv_heads,
+        )
+    geometries = {overrides.get(i, (head_dim, kv_heads)) for i in full}
+    if set(overrides) - set(full) or len(geometries) > 1:
+        raise _bad_value("per_layer_config", entries, expected)
+    return geometries.pop() if geometries else (head_dim, kv_heads)
+
+
 def _check_llama4_scale(cfg: dict[str, Any], model_type: str) -> None:
     """transformers' attention reads rope_parameters' llama_4_scaling_beta and
     original_max_position_embeddings for the query scale (its config class writes both when
@@ -411,7 +496,7 @@ def _attention_windows(
         return None, None
 
     if rules.reads_layer_types and cfg.get("layer_types") is not None:
-        types = _layer_types(cfg, layers)
+        types = _layer_types(cfg, layers, rules)
     elif rule == "pattern":
         types = _pattern_layer_types(rules, cfg, layers)
     elif rule == "nope_if_enabled":
@@ -432,7 +517,9 @@ def _attention_windows(
     return window, types
 
 
-def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
+def _layer_types(
+    cfg: dict[str, Any], layers: int, rules: ConfigRules | None = None
+) -> tuple[str, ...]:
     types = tuple(_optional_list(cfg, "layer_types"))
     if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
         raise _bad_value(
@@ -440,16 +527,31 @@ def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
             cfg["layer_types"],
             f'a list of {layers} entries, each "full_attention" or "sliding_attention"',
         )
-    return types
+    return _last_layer_made_full(rules, types)
+
+
+def _last_layer_made_full(rules: ConfigRules | None, types: tuple[str, ...]) -> tuple[str, ...]:
+    """Gemma 4's config class makes the last layer a full-attention one."""
+    if rules is None or not rules.last_layer_full:
+        return types
+    return (*types[:-1], "full_attention")
+
+
+def _model_layer_types(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Every layer's attention type as the config class builds it, window or not."""
+    if cfg.get("layer_types") is not None:
+        return _layer_types(cfg, layers, rules)
+    return _pattern_layer_types(rules, cfg, layers)
 
 
 def _pattern_layer_types(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
     """Every sliding_window_pattern-th layer full, the others sliding."""
     pattern = _optional_positive_int(cfg, "sliding_window_pattern") or rules.sliding_window_pattern
     assert pattern is not None  # ConfigRules requires one with this rule
-    return tuple(
+    types = tuple(
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     )
+    return _last_layer_made_full(rules, types)
 
 
 def _rope_tables(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> int:
@@ -458,7 +560,7 @@ def _rope_tables(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> int:
     if not rules.rope_per_layer_type:
         return 1
     if cfg.get("layer_types") is not None:
-        return len(set(_layer_types(cfg, layers)))
+        return len(set(_layer_types(cfg, layers, rules)))
     if rules.windowed_layers == "pattern":
         return len(set(_pattern_layer_types(rules, cfg, layers)))
     return 1

@@ -23,6 +23,16 @@ TOWER_DEFAULTS: dict[str, dict[str, Any]] = {
         "image_size": 224,
         "patch_size": 16,
     },
+    "gemma4": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "head_dim": 64,
+        "patch_size": 16,
+        "position_embedding_size": 10240,
+    },
     "pixtral": {
         "hidden_size": 1024,
         "intermediate_size": 4096,
@@ -41,6 +51,8 @@ def vision_tower_tensors(
     """Elements of each parameter of the vision tower and the projector that transformers
     builds beside the text model of `config` (a multimodal config.json of `wrapper`'s type)
     whose hidden size is `text_hidden`."""
+    if config.get("vision_config") is None and wrapper.without_vision_config == "none":
+        return ()
     vision = _vision_config(wrapper, config)
     tower = TOWERS[wrapper.tower](vision)
     projector = PROJECTORS[wrapper.model_type](config, vision, text_hidden)
@@ -149,9 +161,27 @@ def pixtral_tensors(vision: dict[str, Any]) -> tuple[int, ...]:
     return tuple(tensors)
 
 
+def gemma4_tensors(vision: dict[str, Any]) -> tuple[int, ...]:
+    """Gemma4VisionModel: the patch embedder's two position tables (one parameter, registered
+    before its submodule's) and input projection (no bias), then per layer q/k/v/o projections
+    (no biases), q_norm and k_norm (one head wide; v_norm has no weight), the gated MLP (gate,
+    up, down) and four RMSNorms."""
+    p = "vision_config."
+    h, inter = _count(vision, p + "hidden_size"), _count(vision, p + "intermediate_size")
+    heads, kv = _count(vision, p + "num_attention_heads"), _count(vision, p + "num_key_value_heads")
+    head_dim, patch = _count(vision, p + "head_dim"), _count(vision, p + "patch_size")
+    positions = _count(vision, p + "position_embedding_size")
+    attention = (heads * head_dim * h, kv * head_dim * h, kv * head_dim * h, h * heads * head_dim)
+    layer = (*attention, head_dim, head_dim, inter * h, inter * h, h * inter, h, h, h, h)
+    tensors = [2 * positions * h, h * 3 * patch * patch]  # the table, a parameter of its own
+    tensors += layer * _layers(vision, p + "num_hidden_layers")
+    return tuple(tensors)
+
+
 TOWERS: dict[str, Callable[[dict[str, Any]], tuple[int, ...]]] = {
     "siglip": siglip_tensors,
     "pixtral": pixtral_tensors,
+    "gemma4": gemma4_tensors,
 }
 
 
@@ -188,6 +218,14 @@ def mistral3_projector(
     return (h, h * h * merge * merge, *linear_1, *linear_2)
 
 
+def gemma4_embedder(
+    config: dict[str, Any], vision: dict[str, Any], text_hidden: int
+) -> tuple[int, ...]:
+    """Gemma4MultimodalEmbedder (embed_vision): the projection into the text model's width (no
+    bias; its pre-projection RMSNorm has no weight)."""
+    return (text_hidden * _count(vision, "vision_config.hidden_size"),)
+
+
 def _given(config: dict[str, Any]) -> dict[str, Any]:
     """The config's keys that are not null (null means the config class's default)."""
     return {k: v for k, v in config.items() if v is not None}
@@ -196,4 +234,5 @@ def _given(config: dict[str, Any]) -> dict[str, Any]:
 PROJECTORS: dict[str, Callable[[dict[str, Any], dict[str, Any], int], tuple[int, ...]]] = {
     "gemma3": gemma3_projector,
     "mistral3": mistral3_projector,
+    "gemma4": gemma4_embedder,
 }

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from memplan.estimators import kernel_contracts as kc
-from memplan.estimators.params import LORA_TARGET_SHAPES, lora_targets_modelled
+from memplan.estimators.params import LORA_TARGET_SHAPES, layer_lora_targets
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
 from memplan.schema import GLU_KERNEL_BY_ACTIVATION, ModelSpec, TrainSetup
@@ -100,13 +100,19 @@ class LayerContext:
     needs_input_grad: bool  # False for the first layer under LoRA (embedding frozen)
 
     def adapted(self, *modules: str) -> bool:
-        return any(m in self.setup.lora_targets for m in modules) if self.setup.lora_rank else True
+        return any(m in self.lora_targets for m in modules) if self.setup.lora_rank else True
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The adapted linears this layer has (no v_proj where its values are its keys)."""
+        targets = self.setup.lora_targets
+        return tuple(t for t in targets if not (self.spec.values_from_keys and t == "v_proj"))
 
     def output_needs_grad(self, stage: int) -> bool:
         """Whether the output of a matmul stage (LORA_TARGET_STAGE: 0 q/k/v, 1 o, 2 gate/up, 3
         down) needs a gradient: always, but in the first layer under LoRA only from the first
         adapted stage on; before it nothing needs a gradient and nothing is saved."""
-        return self.needs_input_grad or first_stage_after(self.setup.lora_targets) <= stage + 1
+        return self.needs_input_grad or first_stage_after(self.lora_targets) <= stage + 1
 
     sliding: bool  # this layer attends through a sliding window
     under_autocast: bool  # inside torch.autocast, whatever the weights' dtype
@@ -172,10 +178,13 @@ def norm_saved(
         out.add_each(name, *kc.rms_norm_saved_tensors(rows_per_token, width, p_in))
     elif gemma:
         # x.float(), rsqrt, and x * rstd kept for the weight's gradient when it trains; Gemma's
-        # product also keeps its fp32 (1 + w), OLMo's the weight itself.
+        # product also keeps its fp32 (1 + w), OLMo's the weight itself, Gemma 4's w.float().
+        norm = FAMILIES[ctx.spec.model_type].patch.norm
         normalized = FP32 * w if weight_trainable else 0
-        out.add_each(name, FP32 * w, FP32 * rows_per_token, normalized)
-        if FAMILIES[ctx.spec.model_type].norm_weight_copied:
+        rstd = [FP32 * rows_per_token] * (2 if norm.rstd_by_pow else 1)
+        out.add_each(name, FP32 * w, *rstd, normalized)
+        cast_copy = norm.weight_cast and ctx.dtypes.param != FP32
+        if FAMILIES[ctx.spec.model_type].norm_weight_copied or cast_copy:
             out.add(name, constant=FP32 * int(width))
     else:
         h_saved = p_in * w if weight_trainable else 0
@@ -219,6 +228,8 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=1 if over_projection else heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
+    if spec.v_norm:
+        v_norm_saved(ctx, out)
     if ctx.rope_kernel:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
         out.add("attn.rope", kc.rope_saved_bytes(1, (nh + kv) * hd, p))
     if spec.llama4_query_scale and qkv_need_grad(ctx)[0]:
@@ -281,6 +292,21 @@ def attention_output_follows_query(ctx: LayerContext, path: str) -> bool:
     (torch's meta kernels: empty_like / alloc_with_matching_layout of q), the CPU's fused
     kernel (measured); the memory-efficient kernel writes (batch, seq, heads, head_dim)."""
     return path == "fused" or (path == "memory_efficient" and ctx.backend != "cuda")
+
+
+def v_norm_saved(ctx: LayerContext, out: Saved) -> None:
+    """Gemma 4's scale-free RMSNorm on each value head: v.float(), the mean square plus eps
+    and its pow(-0.5) (no weight, so the normalized product is kept by nothing). Where v is
+    k_proj's output in fp32 without autocast, v.float() is that output, which k_norm keeps
+    already."""
+    spec, p = ctx.spec, ctx.dtypes.proj
+    source = "k_proj" if spec.values_from_keys else "v_proj"
+    if not (ctx.needs_input_grad or ctx.adapted(source)):
+        return
+    heads, hd = spec.num_key_value_heads, spec.head_dim
+    shared_input = spec.values_from_keys and p == FP32
+    out.add_each("attn.v_norm", 0 if shared_input else FP32 * heads * hd, FP32 * heads)
+    out.add("attn.v_norm", FP32 * heads)
 
 
 def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
@@ -508,7 +534,7 @@ def layer_saved(ctx: LayerContext) -> Saved:
     spec, d = ctx.spec, ctx.dtypes
     out = Saved()
     gemma_norm = gemma_norms(spec)
-    qkv_consumers = 1 if spec.fused_qkv else 3
+    qkv_consumers = 1 if spec.fused_qkv else 2 if spec.values_from_keys else 3
     mlp_consumers = 1 if spec.fused_gate_up else 2
     if ctx.moe:
         # the router (unless it keeps an fp32 copy of its own) and the shared experts' gate and
@@ -579,6 +605,9 @@ def layer_saved(ctx: LayerContext) -> Saved:
             gemma_norm,
             input_requires_grad=ctx.output_needs_grad(3),
         )
+    if spec.layer_scalar and ctx.output_needs_grad(3):
+        # the in-place product keeps the buffer, the model's dtype (fp32 under autocast)
+        out.add("layer_scalar", constant=d.param)
     rank = ctx.setup.lora_rank
     if rank:
         # peft keeps adapters in fp32 and casts their input to fp32 (autocast_adapter_dtype):
@@ -591,25 +620,56 @@ def layer_saved(ctx: LayerContext) -> Saved:
         saved_dtype = d.proj if d.autocast else FP32
         shared_input = adapters_share_inputs(d)
         inputs_saved = {LORA_TARGET_STAGE["o_proj"]} if ctx.output_needs_grad(0) else set()
-        for target in lora_targets_modelled(spec, ctx.setup):
+        for target in layer_lora_targets(spec, ctx.setup):
             fan_in, fan_out = LORA_TARGET_SHAPES[target](spec)
             stage = LORA_TARGET_STAGE[target]
             input_bytes = 0 if shared_input and stage in inputs_saved else fan_in
             inputs_saved.add(stage)
-            out.add_each("lora", saved_dtype * input_bytes, saved_dtype * rank)
+            out.add_each(f"lora.{target}", saved_dtype * input_bytes, saved_dtype * rank)
             if d.autocast:
-                a_kept = ctx.needs_input_grad or first_stage_after(ctx.setup.lora_targets) <= stage
-                out.add("lora.weights", constant=d.proj * rank * fan_in * a_kept)
-                out.add("lora.weights", constant=d.proj * rank * fan_out)
+                a_kept = ctx.needs_input_grad or first_stage_after(ctx.lora_targets) <= stage
+                out.add(f"lora.weights.{target}", constant=d.proj * rank * fan_in * a_kept)
+                out.add(f"lora.weights.{target}", constant=d.proj * rank * fan_out)
     if d.autocast:
         # A low-precision copy of every matmul weight, saved by the matmul: the one autocast
         # caches for a trainable weight, or a frozen weight's own cast on each call (autocast
         # caches none), saved where the matmul's input needs a gradient (measured on an H200,
         # llama-3.2-1b amp-bf16 with LoRA on q and v).
-        first = 0 if ctx.needs_input_grad else first_stage_after(ctx.setup.lora_targets)
+        first = 0 if ctx.needs_input_grad else first_stage_after(ctx.lora_targets)
         for params in autocast_weight_tensors(spec, first, ctx.moe):
             out.add("autocast.weights", constant=d.proj * params)
     return out
+
+
+# What the input norm and k_proj / v_proj, k_norm and v_norm save (layer_saved's names): the
+# ops on the path of a layer's k and v.
+KV_PATH = ("norm.attn", "attn.k_norm", "attn.v_norm", "lora.k_proj", "lora.v_proj")
+KV_PATH += ("lora.weights.k_proj", "lora.weights.v_proj")
+
+
+def kv_path_saved(ctx: LayerContext, saved: Saved) -> list[tuple[float, int]]:
+    """(per token, constant) bytes of each tensor a layer saves (`saved`, layer_saved's) on the
+    path of its k and v: what their autograd graph holds as long as something holds them
+    (Gemma 4's shared_kv_states, after a checkpointed layer's recomputation). Of the input
+    norm's output, under autocast, the casts k_proj and v_proj save (not q_proj's, the first);
+    of an input that fp32 adapters share, the first adapter's entry; the casts autocast makes
+    of k_proj's and v_proj's weights where their input needs a gradient."""
+    spec, d = ctx.spec, ctx.dtypes
+    out_entries = [t for t in saved.tensors if t[0] == "norm.attn.out"]
+    kept = [(n, c) for name, n, c in out_entries[1:] if d.autocast]
+    kept += [(n, c) for name, n, c in out_entries[:1] if not d.autocast]
+    kept += [(n, c) for name, n, c in saved.tensors if name in KV_PATH]
+    lora = [t for t in saved.tensors if t[0].startswith("lora.") and "weights" not in t[0]]
+    kv_adapted = any(name in ("lora.k_proj", "lora.v_proj") for name, _, _ in lora)
+    stage0 = [t for t in lora if t[0] in ("lora.q_proj", "lora.k_proj", "lora.v_proj")]
+    if adapters_share_inputs(d) and kv_adapted and stage0 and stage0[0][0] == "lora.q_proj":
+        kept.append((stage0[0][1], stage0[0][2]))  # q's adapter saved the input k's and v's share
+    first = 0 if ctx.needs_input_grad else first_stage_after(ctx.lora_targets)
+    if d.autocast and first == 0:
+        projections = 1 if spec.values_from_keys else 2
+        kv_weight = spec.hidden_size * spec.num_key_value_heads * spec.head_dim
+        kept += [(0.0, d.proj * kv_weight)] * projections
+    return kept
 
 
 def gemma_norms(spec: ModelSpec) -> bool:
@@ -652,6 +712,8 @@ def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0, moe: bool = F
     h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
     qkv = [h * (q_out + 2 * kv_out)] if spec.fused_qkv else [h * q_out, h * kv_out, h * kv_out]
+    if spec.values_from_keys:
+        qkv = qkv[:2]
     if moe:
         shared = spec.shared_expert_intermediate_size
         router = FAMILIES[spec.model_type].config.moe

@@ -414,13 +414,20 @@ def computed_setup(setup: TrainSetup) -> TrainSetup:
 
 def strategies_modelled(spec: ModelSpec) -> bool:
     """Whether data parallelism is modelled for this architecture: not where layers differ (a MoE
-    model's dense layers), since each strategy's walk shards one layer's parameters for all, nor
-    through a DeepSeek-style fp32 router, whose casts the sharded bf16 weights change."""
+    model's dense layers, Gemma 4's global layers), since each strategy's walk shards one layer's
+    parameters for all, nor through a DeepSeek-style fp32 router, whose casts the sharded bf16
+    weights change."""
     moe = FAMILIES[spec.model_type].config.moe if spec.model_type in FAMILIES else None
-    return not spec.dense_layers and (moe is None or moe.router == "softmax")
+    uniform = spec.uniform_layers and not spec.dense_layers
+    return uniform and (moe is None or moe.router == "softmax")
 
 
 def layout_for(spec: ModelSpec, setup: TrainSetup) -> OneGpu:
+    if setup.strategy is not None and not spec.uniform_layers:
+        raise UsageError(
+            f"{spec.model_type}'s layers of two attention geometries are modelled on one GPU "
+            f"only, not under {setup.strategy}"
+        )
     if setup.strategy is not None and not strategies_modelled(spec):
         raise UsageError(
             f"{spec.model_type} is estimated on one GPU only: data parallelism ({setup.strategy}) "

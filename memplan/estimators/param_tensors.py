@@ -89,21 +89,37 @@ class ParamTensors:
         return tensors + ([self.lm_head] if self.lm_head else [])
 
 
+def model_param_tensors(spec: ModelSpec) -> list[int]:
+    """Every parameter of the model in registration order, each layer's as ModelSpec.layer
+    gives its geometry."""
+    if spec.uniform_layers:
+        return param_tensors(spec).in_order(spec.num_hidden_layers)
+    model = param_tensors(spec)
+    layers = [n for i, layer in enumerate(spec.layers()) for n in param_tensors(layer).layer_at(i)]
+    tensors = [model.embedding, *layers, *model.final_norm]
+    return tensors + ([model.lm_head] if model.lm_head else [])
+
+
 def param_shapes(spec: ModelSpec) -> ParamShapes:
     h, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
     attention: list[Shape] = []
+    qk_norms = [(width, 1) for width in qk_norm_widths(spec)]
     if spec.fused_qkv:
-        attention.append((q_out + 2 * kv_out, h))
+        projections: tuple[int, ...] = (q_out + 2 * kv_out,)
     else:
-        for out in (q_out, kv_out, kv_out):
-            attention.append((out, h))
-            if spec.attention_bias:
-                attention.append((out, 1))
+        projections = (q_out, kv_out) if spec.values_from_keys else (q_out, kv_out, kv_out)
+    for index, out in enumerate(projections):
+        attention.append((out, h))
+        if spec.attention_bias and not spec.fused_qkv:
+            attention.append((out, 1))
+        if index == 0 and spec.v_norm:  # Gemma 4 registers q_norm and k_norm after q_proj
+            attention += qk_norms
     attention.append((h, q_out))
     if spec.attention_out_bias:
         attention.append((h, 1))
-    attention += [(width, 1) for width in qk_norm_widths(spec)]
+    if not spec.v_norm:
+        attention += qk_norms
     dense = dense_mlp_shapes(spec, spec.intermediate_size)
     mlp = moe_shapes(spec) if spec.num_experts else dense
     norm: list[Shape] = [(h, 1), (h, 1)] if spec.norm == "layer" else [(h, 1)]

@@ -14,28 +14,14 @@ class ParamCounts:
     embedding: int
     lm_head: int  # 0 when tied to the embedding
     final_norm: int
-    per_layer_linear: int  # matmul weights (+ biases) of one decoder layer
-    per_layer_other: int  # norms of one decoder layer
-    per_layer_tensors: int
-    layers: int
-    # A MoE model's layers with a dense MLP, and the matmul weights of one of them
-    dense_layers: int = 0
-    per_dense_layer_linear: int = 0
-
-    @property
-    def per_layer(self) -> int:
-        return self.per_layer_linear + self.per_layer_other
-
-    @property
-    def layers_linear(self) -> int:
-        """Matmul weights (+ biases) of all decoder layers."""
-        sparse = self.layers - self.dense_layers
-        return sparse * self.per_layer_linear + self.dense_layers * self.per_dense_layer_linear
+    layers_linear: int  # matmul weights (+ biases) of every decoder layer
+    layers_other: int  # norms of every decoder layer
 
     @property
     def total(self) -> int:
-        layers = self.layers_linear + self.layers * self.per_layer_other
-        return self.embedding + self.lm_head + self.final_norm + layers
+        return (
+            self.embedding + self.lm_head + self.final_norm + self.layers_linear + self.layers_other
+        )
 
     @property
     def linear_weights(self) -> int:
@@ -43,42 +29,44 @@ class ParamCounts:
         return self.layers_linear + (self.lm_head or self.embedding)
 
 
-def count_params(spec: ModelSpec) -> ParamCounts:
-    h, hd = spec.hidden_size, spec.head_dim
-    q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
-    attn = h * q_out + 2 * h * kv_out + q_out * h
-    tensors = 4
-    if spec.attention_bias:
-        attn += q_out + 2 * kv_out
-        tensors += 3
-    if spec.attention_out_bias:
+def layer_linear_params(layer: ModelSpec, index: int) -> int:
+    """Matmul weights (+ biases) of decoder layer `index` (`layer`: its ModelSpec.layer view): a
+    MoE model's dense layers have the dense MLP, its MoE layers the experts, router and shared
+    expert."""
+    h, hd = layer.hidden_size, layer.head_dim
+    q_out, kv_out = layer.num_attention_heads * hd, layer.num_key_value_heads * hd
+    projections = 1 if layer.values_from_keys else 2  # k and v, or k alone (values from keys)
+    attn = h * q_out + projections * h * kv_out + q_out * h
+    if layer.attention_bias:
+        attn += q_out + projections * kv_out
+    if layer.attention_out_bias:
         attn += h
-        tensors += 1
-    dense_mlp = 3 * h * spec.intermediate_size + (
-        2 * spec.intermediate_size + h if spec.mlp_bias else 0
-    )
-    if spec.num_experts:
-        mlp = h * spec.num_experts + spec.num_experts * 3 * h * spec.moe_intermediate_size
-        mlp += 3 * h * spec.shared_expert_intermediate_size
-        tensors += 3 + (3 if spec.shared_expert_intermediate_size else 0)
+    if layer.moe_layer(index):
+        mlp = h * layer.num_experts + layer.num_experts * 3 * h * layer.moe_intermediate_size
+        mlp += 3 * h * layer.shared_expert_intermediate_size
     else:
-        mlp = dense_mlp
-        tensors += 3 + (3 if spec.mlp_bias else 0)
-    norm_width = 2 * h if spec.norm == "layer" else h
-    n_norms = 4 if spec.sandwich_norm else 2
-    other = n_norms * norm_width + sum(qk_norm_widths(spec))
-    tensors += n_norms * (2 if spec.norm == "layer" else 1) + len(qk_norm_widths(spec))
+        inter = layer.intermediate_size
+        mlp = 3 * h * inter + (2 * inter + h if layer.mlp_bias else 0)
+    return attn + mlp
+
+
+def layer_other_params(layer: ModelSpec) -> int:
+    """Norm weights of one decoder layer (a ModelSpec.layer view)."""
+    norm_width = 2 * layer.hidden_size if layer.norm == "layer" else layer.hidden_size
+    n_norms = 4 if layer.sandwich_norm else 2
+    return n_norms * norm_width + sum(qk_norm_widths(layer))
+
+
+def count_params(spec: ModelSpec) -> ParamCounts:
+    h = spec.hidden_size
+    layers = spec.layers()
     embedding = spec.vocab_size * h
     return ParamCounts(
         embedding=embedding,
         lm_head=0 if spec.tie_word_embeddings else embedding,
-        final_norm=norm_width,
-        per_layer_linear=attn + mlp,
-        per_layer_other=other,
-        per_layer_tensors=tensors,
-        layers=spec.num_hidden_layers,
-        dense_layers=len(spec.dense_layers),
-        per_dense_layer_linear=attn + dense_mlp,
+        final_norm=2 * h if spec.norm == "layer" else h,
+        layers_linear=sum(layer_linear_params(layer, i) for i, layer in enumerate(layers)),
+        layers_other=sum(map(layer_other_params, layers)),
     )
 
 
@@ -153,8 +141,9 @@ def lora_params(spec: ModelSpec, setup: TrainSetup) -> int:
     """Adapter parameters: r * (in + out) for each targeted linear of each layer."""
     if not setup.lora_rank:
         return 0
-    per_layer = sum(setup.lora_rank * (i + o) for i, o in lora_shapes(spec, setup))
-    return per_layer * spec.num_hidden_layers
+    return sum(
+        setup.lora_rank * (i + o) for layer in spec.layers() for i, o in lora_shapes(layer, setup)
+    )
 
 
 def lora_targets_modelled(spec: ModelSpec, setup: TrainSetup) -> list[str]:
@@ -165,5 +154,12 @@ def lora_targets_modelled(spec: ModelSpec, setup: TrainSetup) -> list[str]:
 
 
 def lora_shapes(spec: ModelSpec, setup: TrainSetup) -> list[tuple[int, int]]:
-    """(in, out) of each adapted linear of one layer."""
-    return [LORA_TARGET_SHAPES[t](spec) for t in lora_targets_modelled(spec, setup)]
+    """(in, out) of each adapted linear of one layer (a ModelSpec.layer view): a layer whose
+    values come from its keys has no v_proj to adapt."""
+    return [LORA_TARGET_SHAPES[t](spec) for t in layer_lora_targets(spec, setup)]
+
+
+def layer_lora_targets(spec: ModelSpec, setup: TrainSetup) -> list[str]:
+    """lora_targets_modelled that one layer (a ModelSpec.layer view) has."""
+    targets = lora_targets_modelled(spec, setup)
+    return [t for t in targets if not (spec.values_from_keys and t == "v_proj")]

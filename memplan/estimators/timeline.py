@@ -24,6 +24,7 @@ from memplan.estimators.contracts import (
     autocast_weight_params,
     gemma_norms,
     kv_cache_shares_saved,
+    kv_path_saved,
     layer_saved,
     norm_saved,
     rotation_saved,
@@ -32,13 +33,13 @@ from memplan.estimators.contracts import (
 )
 from memplan.estimators.events import EventLog
 from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
-from memplan.estimators.param_tensors import param_tensors
+from memplan.estimators.param_tensors import model_param_tensors, param_tensors
 from memplan.estimators.params import (
     ParamCounts,
     count_params,
+    layer_lora_targets,
     lora_params,
     lora_shapes,
-    lora_targets_modelled,
 )
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
@@ -98,7 +99,7 @@ def layer_contexts(
     layer_types = spec.layer_types or ()
     return [
         LayerContext(
-            spec=spec,
+            spec=spec.layer(index),
             setup=setup,
             dtypes=dtypes,
             backend=backend,
@@ -196,8 +197,9 @@ def forward_saved(
         gemma_norms(spec),
     )
     rope_dtype = FP32 if dtypes.autocast or spec.rope_in_fp32 else dtypes.residual
-    table = blocks(setup.seq * spec.rotated_dim * rope_dtype)
-    shared = rope_tables_kept(spec, contexts) * 2 * table
+    shared = sum(
+        2 * blocks(setup.seq * width * rope_dtype) for width in rope_tables_kept(spec, contexts)
+    )
     embedding = 0 if lora else blocks(tokens * INT64)
     if FAMILIES[spec.model_type].scaled_embedding and not lora:
         embedding += blocks(dtypes.residual)  # the sqrt(hidden) normalizer, a 0-d tensor
@@ -212,23 +214,27 @@ def forward_saved(
     )
 
 
-def layer_kind(ctx: LayerContext) -> tuple[bool, bool, bool, bool]:
+def layer_kind(ctx: LayerContext) -> tuple[bool | int, ...]:
     """What makes layers save different tensors: a sliding window, an input that needs no
-    gradient (the first layer under LoRA), RoPE applied or not, a MoE or a dense MLP."""
-    return ctx.sliding, ctx.needs_input_grad, ctx.rope, ctx.moe
+    gradient (the first layer under LoRA), RoPE applied or not, a MoE or a dense MLP, the
+    layer's attention geometry (Gemma 4's global layers)."""
+    geometry = ctx.spec.head_dim, ctx.spec.num_key_value_heads, ctx.spec.values_from_keys
+    return ctx.sliding, ctx.needs_input_grad, ctx.rope, ctx.moe, *geometry
 
 
-def rope_tables_kept(spec: ModelSpec, contexts: list[LayerContext]) -> int:
-    """The cos/sin pairs saved for backward: none where no layer rotates (SmolLM3's NoPE layers
-    only). With one pair per layer type (OLMo 3), a type's pair is saved where a layer of that
-    type saves its rotation (not the first layer under LoRA when neither q nor k needs a gradient
-    there), else freed when the forward returns."""
+def rope_tables_kept(spec: ModelSpec, contexts: list[LayerContext]) -> list[int]:
+    """The width (rotated dims) of each cos/sin pair saved for backward: none where no layer rotates
+    (SmolLM3's NoPE layers only). With one pair per layer type (OLMo 3, Gemma 4, whose global
+    layers rotate their own head dim), a type's pair is saved where a layer of that type saves
+    its rotation (not the first layer under LoRA when neither q nor k needs a gradient there),
+    else freed when the forward returns."""
     rotating = [ctx for ctx in contexts if ctx.rope]
     if not rotating:
-        return 0
+        return []
     if spec.rope_tables == 1 or spec.layer_types is None:
-        return spec.rope_tables
-    return len({ctx.sliding for ctx in rotating if rotation_saved(ctx)})
+        return [rotating[0].spec.rotated_dim] * spec.rope_tables
+    kept = {ctx.sliding: ctx.spec.rotated_dim for ctx in rotating if rotation_saved(ctx)}
+    return list(kept.values())
 
 
 def checkpointed_masks(
@@ -395,11 +401,13 @@ class StepSizes:
     logits_fp32: int
     grad_hidden: int
     lm_head_grad: int
-    layer_fwd_transient: list[int]
+    layer_fwd_transient: list[list[int]]  # per layer
     kv_cache: list[list[int]]  # per layer, the cache's keys and values attention does not save
+    # per layer, what the model keeps of its k and v (ModelSpec.kv_kept_layers)
+    kept_kv: list[KeptKv]
     autocast_cache: int
     mlp_bwd_transient: list[list[int]]  # per layer
-    attention_bwd_transient: list[int]
+    attention_bwd_transient: list[list[int]]  # per layer
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
     flce_grads_to_fp32: list[int]
@@ -468,7 +476,6 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     n_lora = lora_params(spec, setup)
     tokens = setup.batch * setup.seq
     h, p = spec.hidden_size, dtypes.proj
-    nh, kv, hd = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
     budget = setup.flce_memory_budget
     if budget is not None:
         chunk = kc.flce_chunk_for_budget(tokens, h, spec.vocab_size, p, budget, not lora)
@@ -477,7 +484,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     # Under autocast FLCE casts the fp32 hidden states and lm_head weight to bf16 copies.
     autocast_copies = [tokens * h * p, spec.vocab_size * h * p] if dtypes.autocast else []
     scores = attention_scores_backward_bytes(spec, setup, dtypes, backend)
-    flash = p * (nh + 2 * kv) * hd + FP32 * nh * hd
+    layers = spec.layers()
     return StepSizes(
         counts=counts,
         param_bytes=weights.param,
@@ -493,23 +500,27 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         grad_hidden=round_block(tokens * h * p),
         lm_head_grad=0 if lora else round_block(spec.vocab_size * h * weights.param),
         # Raw q, k, v before RoPE and its rotate_half temporaries, plus the residual pair.
-        layer_fwd_transient=[tokens * p * nh * hd] * 3 + [tokens * dtypes.residual * h] * 2,
+        layer_fwd_transient=[
+            [tokens * p * layer.num_attention_heads * layer.head_dim] * 3
+            + [tokens * dtypes.residual * h] * 2
+            for layer in layers
+        ],
         # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
         # saved by its matmul, counted with the loss).
         autocast_cache=round_block((n_lora if lora else layers_autocast_weight_params(spec)) * p)
         if dtypes.autocast
         else 0,
         kv_cache=kv_cache_added(spec, setup, dtypes, backend, under_autocast),
+        kept_kv=kept_kv(spec, setup, dtypes, backend, under_autocast),
         mlp_bwd_transient=[
             mlp_backward_transient(spec, setup, dtypes, spec.moe_layer(index))
             for index in range(spec.num_hidden_layers)
         ],
         # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
         # gradients where attention materializes scores.
-        attention_bwd_transient=[tokens * scores]
-        if scores > flash
-        else [tokens * p * nh * hd, tokens * p * kv * hd, tokens * p * kv * hd]
-        + [tokens * FP32 * nh * hd],
+        attention_bwd_transient=[
+            attention_backward_transient(layer, tokens, p, scores) for layer in layers
+        ],
         flce_autocast_copies=autocast_copies,
         flce_steps=kc.flce_allocations(
             tokens, h, spec.vocab_size, p, chunk, not lora, budget_bytes=budget
@@ -521,11 +532,12 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
 
 
 def layers_autocast_weight_params(spec: ModelSpec) -> int:
-    """The weights of every decoder layer that autocast caches a low-precision copy of."""
-    moe_layers = sum(spec.moe_layer(i) for i in range(spec.num_hidden_layers))
-    dense_layers = spec.num_hidden_layers - moe_layers
-    moe = autocast_weight_params(spec, moe=True) if moe_layers else 0
-    return moe_layers * moe + dense_layers * autocast_weight_params(spec)
+    """The weights of every decoder layer (each as ModelSpec.layer sees it, a MoE layer's router
+    and shared expert) that autocast caches a low-precision copy of."""
+    return sum(
+        autocast_weight_params(layer, moe=spec.moe_layer(index))
+        for index, layer in enumerate(spec.layers())
+    )
 
 
 def mlp_backward_transient(
@@ -542,6 +554,17 @@ def mlp_backward_transient(
         and not moe
     )
     return [tokens * p * inter] * (1 if glu_in_place else 3) + [tokens * p * h] * 2
+
+
+def attention_backward_transient(layer: ModelSpec, tokens: int, p: int, scores: int) -> list[int]:
+    """What one layer's (a ModelSpec.layer view) attention backward holds: dq, dk, dv and an
+    fp32 dq accumulator, or the score-sized gradients where attention materializes scores."""
+    nh, kv, hd = layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
+    flash = p * (nh + 2 * kv) * hd + FP32 * nh * hd
+    if scores > flash:
+        return [tokens * scores]
+    dq, dk = tokens * p * nh * hd, tokens * p * kv * hd
+    return [dq, dk, dk, tokens * FP32 * nh * hd]
 
 
 def kv_cache_dtypes(
@@ -573,7 +596,7 @@ def kv_cache_added(
     adds to the forward's memory (contracts.kv_cache_shares_saved)."""
     added = []
     for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
-        tensors = kv_cache_tensors(spec, setup, dtypes, ctx.keys_in_residual_dtype)
+        tensors = kv_cache_tensors(ctx.spec, setup, dtypes, ctx.keys_in_residual_dtype)
         shared = kv_cache_shares_saved(
             ctx, *kv_cache_dtypes(setup, dtypes, ctx.keys_in_residual_dtype)
         )
@@ -581,14 +604,57 @@ def kv_cache_added(
     return added
 
 
+@dataclass(frozen=True)
+class KeptKv:
+    """A layer's k and v as HF's attention keeps them in the model's shared_kv_states: those
+    attention does not save and those it does (k after RoPE, v after v_norm, each in its own
+    dtype), and what their autograd graph holds after a checkpointed recomputation."""
+
+    unsaved: list[int] = field(default_factory=list)
+    saved: list[int] = field(default_factory=list)
+    graph: list[int] = field(default_factory=list)
+
+
+def kept_kv(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str, under_autocast: bool
+) -> list[KeptKv]:
+    """Per layer, KeptKv of the layers ModelSpec.kv_kept_layers names (memplan's attention
+    keeps none)."""
+    kept = []
+    tokens = setup.batch * setup.seq
+    for index, ctx in enumerate(layer_contexts(spec, setup, dtypes, backend, under_autocast)):
+        if index not in spec.kv_kept_layers or "rope" in setup.kernels:
+            kept.append(KeptKv())
+            continue
+        layer = ctx.spec
+        elements = tokens * layer.num_key_value_heads * layer.head_dim
+        key = dtypes.residual if ctx.keys_in_residual_dtype else dtypes.proj
+        sizes = (round_block(elements * key), round_block(elements * dtypes.proj))
+        shared = kv_cache_shares_saved(ctx, key, dtypes.proj)
+        graph = kv_path_saved(ctx, layer_saved(ctx))
+        kept.append(
+            KeptKv(
+                unsaved=[n for n, kept in zip(sizes, shared, strict=True) if not kept],
+                saved=[n for n, kept in zip(sizes, shared, strict=True) if kept],
+                graph=[n for n in (round_block(int(p * tokens) + c) for p, c in graph) if n],
+            )
+        )
+    return kept
+
+
 def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
     """Elements of the largest trainable tensor: a LoRA factor (rank x the larger side), else
     the embedding, one projection matrix, transformers 5's stacked experts (one tensor of
     experts x 2 x moe_intermediate x hidden), or a trained vision tower's."""
+    layers = spec.layers()
     if setup.lora_rank:
-        return max((setup.lora_rank * max(shape) for shape in lora_shapes(spec, setup)), default=0)
+        shapes = [shape for layer in layers for shape in lora_shapes(layer, setup)]
+        return max((setup.lora_rank * max(shape) for shape in shapes), default=0)
     h = spec.hidden_size
-    heads = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.head_dim
+    heads = max(
+        (layer.num_attention_heads + 2 * layer.num_key_value_heads) * layer.head_dim
+        for layer in layers
+    )
     dense = spec.intermediate_size * h * (2 if spec.fused_gate_up else 1)
     dense = max(dense, spec.shared_expert_intermediate_size * h)
     experts = spec.num_experts * 2 * spec.moe_intermediate_size * h
@@ -607,7 +673,7 @@ def attention_scores_backward_bytes(
     (smollm2-135m batch 8 x 2048). In bf16 eager, the bf16 probabilities the value matmul saved
     are released by its backward before then, which the saved bytes still count."""
     math_sdpa = any(
-        sdpa_math_path(spec, dtypes, backend, attention_masked(ctx))
+        sdpa_math_path(ctx.spec, dtypes, backend, attention_masked(ctx))
         for ctx in layer_contexts(spec, setup, dtypes, backend)
     )
     if setup.attn != "eager" and not math_sdpa:
@@ -638,13 +704,13 @@ def trainable_tensors(spec: ModelSpec, setup: TrainSetup) -> list[int]:
     of each adapted linear of each layer under LoRA, else every parameter (a trained vision
     tower's and projector's first, as the multimodal model registers them)."""
     if setup.lora_rank:
-        per_layer = [
+        return [
             n
-            for fan_in, fan_out in lora_shapes(spec, setup)
+            for layer in spec.layers()
+            for fan_in, fan_out in lora_shapes(layer, setup)
             for n in (setup.lora_rank * fan_in, fan_out * setup.lora_rank)
         ]
-        return per_layer * spec.num_hidden_layers
-    text = param_tensors(spec).in_order(spec.num_hidden_layers)
+    text = model_param_tensors(spec)
     return trained_vision_tower(spec, setup) + text
 
 
@@ -670,9 +736,7 @@ def build(
     run = RunTensors()
     builder.at("start", "model build")
     # A multimodal model builds its vision tower and projector before the text model.
-    elements = counted_vision_tower(spec, setup) + param_tensors(spec).in_order(
-        spec.num_hidden_layers
-    )
+    elements = counted_vision_tower(spec, setup) + model_param_tensors(spec)
     adapters = trainable_tensors(spec, setup) if setup.lora_rank else []
     weights = layout.weight_tensors(elements, adapters, sizes.param_bytes)
     if router_weights_fp32(spec, setup):  # on one GPU only (parallel.strategies_modelled)
@@ -708,11 +772,12 @@ class LayerGradients:
 def layer_gradients(
     spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, index: int = 0
 ) -> LayerGradients:
+    """Layer `index`'s gradients (`spec`: its ModelSpec.layer view)."""
     if setup.lora_rank:
         adapters = [
             (target, n * FP32)
             for target, (fan_in, fan_out) in zip(
-                lora_targets_modelled(spec, setup), lora_shapes(spec, setup)
+                layer_lora_targets(spec, setup), lora_shapes(spec, setup)
             )
             for n in (fan_out * setup.lora_rank, setup.lora_rank * fan_in)
         ]
@@ -797,13 +862,20 @@ def walk_step(
     if not tied:
         layout.forward_exit(builder, "embedding")
     kv_cache: list[int] = []
+    # k and v the model keeps (kept_kv): unsaved ones, or all of them in a checkpointed forward
+    kv_kept: dict[int, list[int]] = {}
     layer_kept: list[tuple[list[int], list[int]]] = []  # saved before and after attention
     for index, (before, after) in enumerate(saved.layer_entries):
         recomputed = saved.recomputed_entries[index]
         recomputed_later = [n for part in recomputed for n in part] if ckpt else []
         kv_cache += builder.alloc_all("kv_cache", sizes.kv_cache[index] if cached else ())
+        kept = sizes.kept_kv[index]
+        if not cached:
+            in_forward = kept.unsaved + (kept.saved if ckpt else [])
+            kv_kept[index] = builder.alloc_all("activations", in_forward)
         layout.forward_enter(builder, f"layer {index}")
-        builder.mark("forward", f"layer {index}", sizes.layer_fwd_transient + recomputed_later)
+        transient = sizes.layer_fwd_transient[index]
+        builder.mark("forward", f"layer {index}", transient + recomputed_later)
         if ckpt:
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
@@ -857,6 +929,9 @@ def walk_step(
         builder.free(logits)
     builder.free(norm_out)
     builder.free_all(kv_cache)
+    if not ckpt:
+        builder.free_all([n for tensors in kv_kept.values() for n in tensors])
+        kv_kept.clear()
     builder.free(autocast_cache)
     layout.forward_end(builder)
     if not accumulating:  # the previous step's graph, held by its loss until this forward ends
@@ -920,13 +995,17 @@ def walk_step(
     if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
         run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
     for index in reversed(range(len(saved.layer_entries))):
-        gradients = layer_gradients(spec, setup, sizes, index)
+        gradients = layer_gradients(spec.layer(index), setup, sizes, index)
         label = f"layer {index} backward"
         checkpoint_input: list[int] = []
         builder.at("backward", label)
         layout.backward_enter(builder, f"layer {index}")
+        recomputed_kv: list[int] = []
         if ckpt:  # the recomputed forward's saved tensors, alive through the layer's backward
             checkpoint_input = layer_kept[index][0]
+            # the recomputation's k and v replace the forward's in shared_kv_states
+            builder.free_all(kv_kept.pop(index, []))
+            recomputed_kv = builder.alloc_all("activations", sizes.kept_kv[index].unsaved)
             recomputed_before, recomputed_after = saved.recomputed_entries[index]
             layer_kept[index] = (
                 builder.alloc_all("transient", recomputed_before),
@@ -937,7 +1016,7 @@ def walk_step(
         kept_before, kept_after = layer_kept[index]
         for part, nbytes, transient, kept in (
             ("mlp", gradients.mlp, sizes.mlp_bwd_transient[index], kept_after),
-            ("attention", gradients.attention, sizes.attention_bwd_transient, kept_before),
+            ("attention", gradients.attention, sizes.attention_bwd_transient[index], kept_before),
         ):
             builder.at("backward", label)
             held = builder.alloc_all("transient", transient)
@@ -947,8 +1026,13 @@ def walk_step(
             builder.free_all(kept)
         keep_gradients(f"layer {index}", "norms", *gradients.norms)
         builder.free_all(checkpoint_input)
+        if ckpt:  # shared_kv_states holds what the recomputation saved on the path of k and v
+            kept = sizes.kept_kv[index]
+            recomputed_kv += builder.alloc_all("activations", kept.saved + kept.graph)
+            kv_kept[index] = recomputed_kv
         layout.backward_exit(builder, f"layer {index}", run, sync)
     builder.free_all(forward_kept)
+    builder.free_all([n for tensors in kv_kept.values() for n in tensors])
     builder.free(grad_hidden)
     if trained_vision_tower(spec, setup):
         # The tower's nodes come after the embedding lookup in forward, so autograd runs them

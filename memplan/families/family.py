@@ -41,6 +41,16 @@ class MoeRules:
 
 
 @dataclass(frozen=True)
+class Unmodelled:
+    """A config key whose other values build what memplan does not model: spec_from_config
+    refuses a value outside `modelled` with one line naming `what` it builds."""
+
+    key: str
+    modelled: tuple[Any, ...]
+    what: str
+
+
+@dataclass(frozen=True)
 class ConfigRules:
     """How a config.json of the family reads: transformers' class defaults and the traits that
     are the family's rather than the config's.
@@ -75,7 +85,17 @@ class ConfigRules:
     qk_norm_key: the config key that switches the q/k norms on (GLM-4.5's use_qk_norm); None:
         the family's qk_norm decides.
     partial_rotary: RoPE rotates the first partial_rotary_factor of each head's dims (the
-        factor in rope_parameters, else the config's top-level key)."""
+        factor in rope_parameters, else the config's top-level key).
+    last_layer_full: the config class makes the last layer a full-attention one whatever
+        layer_types or the pattern say (Gemma 4).
+    global_layers: the full-attention layers take global_head_dim and, with attention_k_eq_v,
+        num_global_key_value_heads and no v_proj (v is k_proj's output), or what the config's
+        per_layer_config gives them (Gemma 4).
+    v_norm: a scale-free RMSNorm on v beside q_norm and k_norm (Gemma 4).
+    layer_scalar: each layer multiplies its output in place by a 1-element buffer (Gemma 4).
+    keeps_last_kv_per_type: the last layer of each attention type stores its k and v in the
+        model's shared_kv_states, which holds them until forward returns (Gemma 4).
+    unmodelled: keys whose other values spec_from_config refuses."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
@@ -100,6 +120,12 @@ class ConfigRules:
     llama4_query_scale: bool = False
     qk_norm_key: str | None = None
     partial_rotary: bool = False
+    last_layer_full: bool = False
+    global_layers: bool = False
+    v_norm: bool = False
+    layer_scalar: bool = False
+    keeps_last_kv_per_type: bool = False
+    unmodelled: tuple[Unmodelled, ...] = ()
     moe: MoeRules | None = None
 
     def __post_init__(self) -> None:

@@ -19,13 +19,21 @@ class NormSpec:
     casting "llama": normalize in fp32, cast to the input dtype, multiply by the weight.
     casting "gemma": everything in fp32 with weight (offset + w), cast at the end.
     in_place_backward: the kernel may write dX into dY's buffer. Not where the norm's output
-    gradient is also the residual's (Gemma 2/3 post-norms feed a residual add directly)."""
+    gradient is also the residual's (Gemma 2/3 post-norms feed a residual add directly).
+    weight_cast: the product takes weight.float(), a copy of a weight that is not fp32 (Gemma 4).
+    rstd_by_pow: the inverse RMS is torch.pow(mean + eps, -0.5), which keeps its input beside
+        the product keeping its output (Gemma 4).
+    scale_flag_attr: module attribute saying whether the norm has a weight at all (Gemma 4's
+        with_scale, false in v_norm): the kernel patches only those that do."""
 
     classes: tuple[str, ...]
     eps_attr: str = "variance_epsilon"
     casting: Literal["llama", "gemma"] = "llama"
     offset: float = 0.0
     in_place_backward: bool = True
+    weight_cast: bool = False
+    rstd_by_pow: bool = False
+    scale_flag_attr: str | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,10 @@ class AttentionSpec:
         use_rope, false in its NoPE layers); None: every layer does.
     sliding_flag_attr: module attribute saying whether the layer slides (EXAONE 4's is_sliding,
         beside a window set on every layer): the window is passed only where it is true, and
-        where the module has a window only those layers rotate q and k; None: no such flag."""
+        where the module has a window only those layers rotate q and k; None: no such flag.
+    v_norm: Gemma 4's attention: q_norm, k_norm and a scale-free v_norm on each head (before the
+        heads move to dim 1, RoPE with unsqueeze_dim=2), and v is k_proj's output where the
+        module has no v_proj (attention_k_eq_v)."""
 
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
@@ -65,6 +76,7 @@ class AttentionSpec:
     output_dropout_attr: str | None = None
     rope_flag_attr: str | None = None
     sliding_flag_attr: str | None = None
+    v_norm: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from memplan.families.family import ConfigRules, Family, MoeRules
+from memplan.families.family import ConfigRules, Family, MoeRules, Unmodelled
 from memplan.families.patch_spec import (
     AttentionSpec,
     CausalLMSpec,
@@ -89,6 +89,15 @@ _OLMO_7B = {
 }
 _POST_NORM_KEPT = (
     "post-norm decoder layers keep their forward: no residual add feeds a norm to fuse it into",
+)
+
+
+# Gemma4TextConfig's values that build what memplan does not model.
+_GEMMA4_UNMODELLED = (
+    Unmodelled("hidden_size_per_layer_input", (0,), "per-layer embeddings into every layer"),
+    Unmodelled("num_kv_shared_layers", (0,), "layers that reuse an earlier layer's keys/values"),
+    Unmodelled("enable_moe_block", (False,), "a mixture-of-experts block beside the MLP"),
+    Unmodelled("use_bidirectional_attention", (None, "vision"), "bidirectional text attention"),
 )
 
 
@@ -431,6 +440,67 @@ FAMILIES: dict[str, Family] = {
             ),
             tiny_from="gemma-3-1b",
             wrapped_by=("gemma3",),
+        ),
+        Family(
+            model_type="gemma4_text",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 262144,
+                    "hidden_size": 2304,
+                    "intermediate_size": 9216,
+                    "num_hidden_layers": 30,
+                    "num_attention_heads": 8,
+                    "num_key_value_heads": 4,
+                    "head_dim": 256,
+                    "max_position_embeddings": 131072,
+                    "tie_word_embeddings": True,
+                    "hidden_activation": "gelu_pytorch_tanh",
+                    "sliding_window": 512,
+                    # popped by Gemma4TextConfig, 512 unless given
+                    "global_head_dim": 512,
+                    "attention_k_eq_v": False,
+                    "hidden_size_per_layer_input": 256,
+                    "num_kv_shared_layers": 0,
+                    "enable_moe_block": False,
+                },
+                act_key="hidden_activation",
+                qk_norm=True,
+                sandwich_norm=True,
+                windowed_layers="pattern",
+                sliding_window_pattern=6,
+                rope_per_layer_type=True,
+                last_layer_full=True,
+                global_layers=True,
+                v_norm=True,
+                layer_scalar=True,
+                keeps_last_kv_per_type=True,
+                unmodelled=_GEMMA4_UNMODELLED,
+            ),
+            patch=PatchSpec(
+                model_type="gemma4_text",
+                norm=NormSpec(
+                    classes=("Gemma4RMSNorm",),
+                    eps_attr="eps",
+                    casting="gemma",
+                    in_place_backward=False,
+                    weight_cast=True,
+                    rstd_by_pow=True,
+                    scale_flag_attr="with_scale",
+                ),
+                attention=AttentionSpec(
+                    classes=("Gemma4TextAttention",),
+                    qk_norm=True,
+                    sliding_window="module",
+                    v_norm=True,
+                ),
+                mlp=MlpSpec(classes=("Gemma4TextMLP",), activation_config_attr="hidden_activation"),
+                causal_lm=CausalLMSpec(
+                    classes=("Gemma4ForCausalLM",), final_logit_softcapping=True
+                ),
+                embedding=EmbeddingSpec(scaled_class="Gemma4TextScaledWordEmbedding"),
+            ),
+            tiny_from="gemma-4-31b",
+            wrapped_by=("gemma4",),
         ),
         Family(
             model_type="phi3",

@@ -18,19 +18,29 @@ class Wrapper:
         vision_config model_types the config class builds that tower for; empty when it builds
         it whatever vision_config says (Gemma3Config always makes a SiglipVisionConfig).
     default_vision: the vision_config the config class makes when the config gives none (on
-        top of the tower config class's own defaults)."""
+        top of the tower config class's own defaults). without_vision_config "none": a config
+        without vision_config builds no tower at all (Gemma4Config)."""
 
     model_type: str
     default_text: str
-    tower: Literal["siglip", "pixtral"]
+    tower: Literal["siglip", "pixtral", "gemma4"]
     tower_model_types: tuple[str, ...] = ()
     default_vision: dict[str, Any] = field(default_factory=dict)
+    without_vision_config: Literal["default", "none"] = "default"
 
 
 WRAPPERS: dict[str, Wrapper] = {
     wrapper.model_type: wrapper
     for wrapper in (
         Wrapper(model_type="gemma3", default_text="gemma3_text", tower="siglip"),
+        # its audio tower, where audio_config gives one, is not counted (config_notes says so)
+        Wrapper(
+            model_type="gemma4",
+            default_text="gemma4_text",
+            tower="gemma4",
+            tower_model_types=("gemma4_vision",),
+            without_vision_config="none",
+        ),
         Wrapper(
             model_type="mistral3",
             default_text="mistral",

@@ -472,6 +472,13 @@ def _setup_of(model: nn.Module, hf_model: nn.Module, model_spec: ModelSpec) -> d
     return setup
 
 
+def _scaled(norm: nn.Module, spec: PatchSpec) -> bool:
+    """Whether the norm has a weight for the kernel (Gemma 4's v_norm has none: its forward
+    stays)."""
+    flag = spec.norm.scale_flag_attr
+    return flag is None or bool(getattr(norm, flag, True))
+
+
 def _plan_targets(
     hf_model: nn.Module,
     spec: PatchSpec,
@@ -492,7 +499,7 @@ def _plan_targets(
     for name, module in hf_model.named_modules():
         cls = forwards.module_class(module).__name__
         try:
-            if "rms_norm" in chosen and cls in spec.norm.classes:
+            if "rms_norm" in chosen and cls in spec.norm.classes and _scaled(module, spec):
                 _require(module, ("weight", spec.norm.eps_attr))
                 handoff = handoffs.setdefault(id(module), forwards.PrenormedHandoff(module))
                 forward = forwards.norm_forward(spec.norm, functions["rms_norm"], handoff)
@@ -503,6 +510,7 @@ def _plan_targets(
                 flag = spec.attention.qk_norm_flag_attr
                 normed = spec.attention.qk_norm and (flag is None or getattr(module, flag, False))
                 needed += ["q_norm", "k_norm"] if normed else []
+                needed += ["v_norm", "v_proj"] if spec.attention.v_norm else []
                 needed += [spec.attention.softcap_attr] if spec.attention.softcap_attr else []
                 needed += ["sliding_window"] if spec.attention.sliding_window == "module" else []
                 optional = (

@@ -354,7 +354,8 @@ def attention_forward(
             x_q, x_k, x_v = kwargs.pop(PROJECTION_INPUTS, (hidden_states,) * 3)
             query = self.q_proj(x_q)
             key = self.k_proj(x_k)
-            value = self.v_proj(x_v)
+            # Gemma 4's full layers without v_proj (attention_k_eq_v) take k_proj's output as v
+            value = key if spec.v_norm and self.v_proj is None else self.v_proj(x_v)
         if qk_normed(self) and spec.qk_norm_scope == "projection":
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (t.view(hidden_shape) for t in (query, key, value))
@@ -365,6 +366,11 @@ def attention_forward(
         # ...) output would make attention's output need a copy before o_proj).
         if qk_normed(self) and spec.qk_norm_scope == "head":
             query, key = self.q_norm(query), self.k_norm(key)
+        if spec.v_norm:
+            value = self.v_norm(value)
+            # read by layers that reuse another's keys and values, which spec_from_config
+            # refuses (num_kv_shared_layers); nothing reads it here
+            kwargs.pop("shared_kv_states", None)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
 
         if rotates(self):

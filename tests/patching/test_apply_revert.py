@@ -46,7 +46,16 @@ def step_outputs(model: nn.Module) -> list[torch.Tensor]:
         "llama",
         *(
             pytest.param(f, marks=pytest.mark.slow)
-            for f in ("gemma2", "phi3", "mixtral", "olmo2", "olmo3", "exaone4", "glm4_moe")
+            for f in (
+                "gemma2",
+                "phi3",
+                "mixtral",
+                "olmo2",
+                "olmo3",
+                "exaone4",
+                "glm4_moe",
+                "gemma4_text",
+            )
         ),
     ],
 )

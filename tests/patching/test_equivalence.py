@@ -161,6 +161,22 @@ def test_glm4_moe_rotates_half_of_each_head_and_keeps_its_experts(monkeypatch, q
     assert len(calls) == 2 * 2  # each layer rotates in each of the two steps
 
 
+@pytest.mark.parametrize("k_eq_v", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_gemma4_patched_attention_keeps_v_norm_and_values_from_keys(k_eq_v):
+    """Gemma 4: the full layer (twice the head dim, one KV head) takes k_proj's output as v
+    where attention_k_eq_v leaves it no v_proj; v_norm, without a weight, keeps its own forward
+    while the weighted norms take the kernel; the model trains as HF's does."""
+    reference, patched = pair("gemma4_text", attention_k_eq_v=k_eq_v)
+    full = reference.model.layers[1].self_attn
+    sliding = reference.model.layers[0].self_attn
+    assert (full.v_proj is None) == k_eq_v and full.head_dim == 2 * sliding.head_dim
+    applied = mp.apply(patched)
+    assert {"rms_norm", "rope", "geglu"} <= set(applied.kernels)
+    v_norms = [name for name in applied.modules["rms_norm"] if name.endswith("v_norm")]
+    assert not v_norms and "model.layers.1.self_attn.q_norm" in applied.modules["rms_norm"]
+    lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
+
+
 @pytest.mark.parametrize(
     "loss_kernel", ["flce", pytest.param("cross_entropy", marks=pytest.mark.slow)]
 )

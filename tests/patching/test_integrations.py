@@ -15,6 +15,7 @@ from torch import nn
 import memplan.patching as mp
 from memplan.errors import MemplanError, UsageError
 from memplan.families import FAMILIES
+from memplan.schema import GLU_KERNEL_BY_ACTIVATION
 
 from .tiny_models import assert_grads_close, batch, build, lockstep, pair, rel_err, tiny_config
 
@@ -36,6 +37,10 @@ from .tiny_models import assert_grads_close, batch, build, lockstep, pair, rel_e
         pytest.param("exaone4", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
         # half of each head rotated after the adapters; the experts' block keeps its forward
         pytest.param("glm4_moe", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
+        # v from k_proj in the full layer (no v_proj there), v_norm after the adapters
+        pytest.param(
+            "gemma4_text", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow
+        ),
     ],
 )
 def test_peft_lora_model_trains_like_hf(family, targets):
@@ -51,12 +56,14 @@ def test_peft_lora_model_trains_like_hf(family, targets):
             torch.nn.init.normal_(a.data, std=0.02)
             b.data.copy_(a.data)
     applied = mp.apply(patched)
+    mlp = FAMILIES[base.config.model_type].patch.mlp
+    glu = GLU_KERNEL_BY_ACTIVATION[getattr(base.config, mlp.activation_config_attr)]
     if "lm_head" in targets:  # FLCE needs a plain projection; the loss runs on the logits
-        assert {"rms_norm", "rope", "swiglu", "cross_entropy"} <= set(applied.kernels)
+        assert {"rms_norm", "rope", glu, "cross_entropy"} <= set(applied.kernels)
         assert "flce" not in applied.kernels
         assert applied.skipped["flce"].startswith("lm_head is a peft.tuners.lora.")
     else:
-        assert {"rms_norm", "rope", "swiglu", "flce"} <= set(applied.kernels)
+        assert {"rms_norm", "rope", glu, "flce"} <= set(applied.kernels)
     lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
     mp.revert(patched)
     assert mp.applied_patch(patched) is None
@@ -231,7 +238,7 @@ def test_specs_name_classes_transformers_defines():
     for model_type, family in FAMILIES.items():
         spec = family.patch
         assert model_type in CONFIG_MAPPING_NAMES
-        package = {"gemma3_text": "gemma3"}.get(model_type, model_type)
+        package = model_type.removesuffix("_text")  # gemma3_text's classes are gemma3's
         modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
         parts = [spec.norm, spec.attention, spec.causal_lm] + ([spec.mlp] if spec.mlp else [])
         for part in parts:

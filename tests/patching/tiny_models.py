@@ -41,10 +41,10 @@ def shrink(
 ) -> dict:
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
-    sequences (so it matters), alternating sliding/full layers for Gemma 2/3, OLMo 3 and EXAONE 4
-    (whose full layers apply no RoPE), layers with and without RoPE for SmolLM3, fewer experts
-    (in two groups where the router picks groups first), Ministral 3's query factor past the
-    fourth position.
+    sequences (so it matters), alternating sliding/full layers for Gemma 2/3/4, OLMo 3 and
+    EXAONE 4 (whose full layers apply no RoPE), Gemma 4's full layers of their own head dim and
+    one KV head, layers with and without RoPE for SmolLM3, fewer experts (in two groups where the
+    router picks groups first), Ministral 3's query factor past the fourth position.
     Without `dropout` the family's dropouts are off, so that two models of it compute the same
     in training whatever random numbers each draws."""
     sizes = TINY if sizes is None else sizes
@@ -60,9 +60,11 @@ def shrink(
         config["sliding_window"] = window
     if "query_pre_attn_scalar" in config:
         config["query_pre_attn_scalar"] = config["head_dim"]
-    if config["model_type"] in ("gemma2", "gemma3_text", "olmo3", "exaone4"):
+    if config["model_type"] in ("gemma2", "gemma3_text", "olmo3", "exaone4", "gemma4_text"):
         kinds = ("sliding_attention", "full_attention")
         config["layer_types"] = [kinds[i % 2] for i in range(config["num_hidden_layers"])]
+    if "global_head_dim" in config:  # gemma4: full layers of twice the head dim, one KV head
+        config.update(global_head_dim=2 * config["head_dim"], num_global_key_value_heads=1)
     if "no_rope_layers" in config:  # smollm3: RoPE in even layers only; its config derives
         # the layer types from these
         layers = overrides.get("num_hidden_layers", config["num_hidden_layers"])

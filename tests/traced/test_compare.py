@@ -52,6 +52,8 @@ VARIANTS = {
     "exaone4": {"precision": "amp-bf16"},
     # the fp32 router's inputs cast by autocast, routing weights in bf16, q cast heads-major
     "glm4_moe": {"precision": "amp-bf16"},
+    # the last layer of each type keeps k, v and, recomputed, their graph in shared_kv_states
+    "gemma4_text": {"grad_checkpointing": True},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
@@ -59,7 +61,7 @@ VARIANTS = {
 # smollm3's windows on its layers without RoPE, and their KV cache (k in bf16 there); granite's
 # divided logits under autocast; exaone4's NoPE full layers under checkpointing (and amp), LoRA
 # and without a window; glm4_moe's dense and MoE layers recomputed (with q/k norms), its frozen
-# fp32 router under LoRA.
+# fp32 router under LoRA; gemma4's global layers and kept k/v.
 EXTRA_VARIANTS = [
     # fp32 eager: softmax backward's three fp32 score-sized tensors
     ("llama", {}, {"attn": "eager", "precision": "fp32"}),
@@ -89,6 +91,19 @@ EXTRA_VARIANTS = [
         {"lora_rank": 16, "lora_targets": ("k_proj", "o_proj"), "precision": "amp-bf16"},
     ),
     ("granite", {}, {"precision": "amp-bf16"}),
+    # gemma4: one cast of the input fewer where v is k_proj's output; no v_proj to adapt in the
+    # full layer; the kept k/v and their graph under checkpointed amp and LoRA; without
+    # attention_k_eq_v; full layers of head dim 512 (SDPA's memory-efficient kernel)
+    ("gemma4_text", {}, {"precision": "amp-bf16"}),
+    ("gemma4_text", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
+    ("gemma4_text", {}, {"grad_checkpointing": True, "precision": "amp-bf16"}),
+    (
+        "gemma4_text",
+        {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("v_proj", "down_proj")},
+    ),
+    ("gemma4_text", {"attention_k_eq_v": False}, {"grad_checkpointing": True}),
+    ("gemma4_text", {"global_head_dim": 512}, {}),
     ("seed_oss", {}, {"lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
     ("seed_oss", {}, {"grad_checkpointing": True}),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 512, "use_cache": True}, {}),
