@@ -383,6 +383,23 @@ def test_bf16_weights_under_autocast_match_autograd_on_cpu(model_type, saved_sto
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total < measured
 
 
+@pytest.mark.parametrize("k_eq_v", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_gemma4_under_autocast_matches_autograd_on_cpu(k_eq_v, saved_storage_bytes) -> None:
+    """gemma4_text's amp forward, live on the CPU's autocast (which casts the ops of Gemma 3 and
+    4 as CUDA's does: gemma3_text's CPU forward agrees too): where v is k_proj's output, the
+    layer norm's output is cast once fewer; v_norm copies its bf16 input to fp32."""
+    overrides = {**family_overrides("gemma4_text"), "attention_k_eq_v": k_eq_v}
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("gemma4_text", **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    measured = saved_bytes_of(saved_storage_bytes, model.train(), cfg.vocab_size, autocast=True)
+    spec = spec_from_config(AutoConfig.for_model("gemma4_text", **overrides).to_dict())
+    setup = TrainSetup(
+        batch=PROBE["batch"], seq=PROBE["seq"], precision="amp-bf16", transformers=INSTALLED
+    )
+    assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured
+
+
 KERNEL_PROBE = json.loads(
     (Path(__file__).parent / "data" / "saved_cuda_probe_kernels.json").read_text()
 )
