@@ -533,7 +533,12 @@ def advise(
     near = EDGE_SHARE * gpu_spec.capacity < result.peak_bytes <= gpu_spec.capacity
     if near and not setup.expandable_segments:
         warnings.append(EDGE_WARNING)
-    if not fit and not strategies_modelled(spec):
+    if not fit and not spec.uniform_layers:
+        warnings.append(
+            f"{spec.model_type}'s layers of two attention geometries are modelled on one GPU "
+            "only: no GPU count is given for DDP, FSDP2 or ZeRO"
+        )
+    elif not fit and not strategies_modelled(spec):
         warnings.append(
             f"{spec.model_type} is estimated on one GPU only: how many GPUs a data-parallel "
             "strategy needs is not modelled for its dense-and-MoE layers and fp32 router"

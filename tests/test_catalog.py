@@ -492,13 +492,16 @@ def test_gemma4_per_layer_config_reads_as_the_global_keys():
     given = {**TINY_LLAMA, **GEMMA4, "num_hidden_layers": 7, "head_dim": 16}
     given.update(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True)
     reference = AutoConfig.for_model(**given).to_dict()
-    assert "global_head_dim" not in reference and reference["per_layer_config"]
     spec = spec_from_config(given)
     assert _fields(spec) == _fields(spec_from_config(reference))
+    full = {"head_dim": 32, "num_key_value_heads": 1}
+    written = {k: v for k, v in given.items() if k not in ("global_head_dim",)}
+    written["per_layer_config"] = {"5": full, "6": full}
+    assert _fields(spec_from_config(written)) == _fields(spec)
     # the pattern's sixth layer and, forced, the last are full
     assert spec.global_layers == (5, 6) and spec.kv_kept_layers == (4, 6)
     assert (spec.layer(6).head_dim, spec.layer(6).num_key_value_heads) == (32, 1)
-    uneven = {**reference, "per_layer_config": {"5": {"head_dim": 32}, "6": {"head_dim": 64}}}
+    uneven = {**written, "per_layer_config": {"5": {"head_dim": 32}, "6": {"head_dim": 64}}}
     with pytest.raises(MemplanError) as error:
         spec_from_config(uneven)
     assert "config key 'per_layer_config' must be" in _one_line(error)
@@ -512,6 +515,9 @@ def test_gemma4_layers_of_two_geometries_are_refused_under_a_strategy():
         "gemma4_text's layers of two attention geometries are modelled on one GPU only, "
         "not under ddp"
     )
+    advice = advise(spec, batch=1, seq=2048, gpu="h100")  # far beyond one H100: no GPU count
+    assert not advice.fits and advice.gpu_counts == []
+    assert any("modelled on one GPU only" in warning for warning in advice.warnings)
 
 
 def test_a_spec_pydantic_refuses_is_one_memplan_error():

@@ -620,10 +620,12 @@ def kept_kv(
 ) -> list[KeptKv]:
     """Per layer, KeptKv of the layers ModelSpec.kv_kept_layers names (memplan's attention
     keeps none)."""
+    if not spec.kv_kept_layers or "rope" in setup.kernels:
+        return [KeptKv()] * spec.num_hidden_layers
     kept = []
     tokens = setup.batch * setup.seq
     for index, ctx in enumerate(layer_contexts(spec, setup, dtypes, backend, under_autocast)):
-        if index not in spec.kv_kept_layers or "rope" in setup.kernels:
+        if index not in spec.kv_kept_layers:
             kept.append(KeptKv())
             continue
         layer = ctx.spec
