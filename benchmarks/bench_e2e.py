@@ -1,7 +1,7 @@
 """End-to-end training steps: Hugging Face, Liger-Kernel and memplan (kernels all) side by side,
-the training cases the project's end-to-end goals are set on (docs/methodology.md and issue 25's
-families that Liger also patches) under the
-measurement protocol (docs/measurement_protocol.md), each run in its own fresh process.
+the training cases the project's end-to-end goals are set on (docs/methodology.md, and families
+of the registry that Liger also patches) under the measurement protocol
+(docs/measurement_protocol.md), each run in its own fresh process.
 
     python benchmarks/bench_e2e.py [--out-dir DIR] [--steps 10] [--docs FILE] [--only REGEX]
     python benchmarks/bench_e2e.py --from-json DIR/bench_e2e.json   # only redraw the table
