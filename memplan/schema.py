@@ -99,6 +99,10 @@ class ModelSpec(BaseModel):
     # The leading dims of each head that RoPE rotates (GLM-4.5's partial_rotary_factor); None:
     # all of head_dim.
     rotary_dim: int | None = Field(default=None, gt=0)
+    # gpt-oss: cos/sin head_dim / 2 wide, applied to both halves of each head.
+    rope_half_tables: bool = False
+    # gpt-oss: a learned sink logit per attention head, concatenated to the scores (eager).
+    attention_sinks: bool = False
     fused_qkv: bool = False  # phi3: one qkv_proj
     fused_gate_up: bool = False  # phi3: one gate_up_proj
     final_logit_softcapping: float | None = None

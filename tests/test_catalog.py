@@ -933,7 +933,12 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     # config rewrites the name): the same memory; the patch reads the built act_fn itself.
     gelus = {type(ACT2FN[name]) for name in ("gelu", "gelu_pytorch_tanh")}
     expected = gelus if spec.hidden_act == "gelu" else {type(ACT2FN[spec.hidden_act])}
-    assert acts and type(acts[0]) in expected
+    rules = FAMILIES[spec.model_type].config.moe
+    if rules is not None and rules.clamped_glu:  # gpt-oss's experts gate with their own formula
+        assert not acts and hasattr(mlp.experts, "_apply_gate")
+    else:
+        assert acts and type(acts[0]) in expected
+    assert hasattr(attn, "sinks") == spec.attention_sinks
     sparse = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
     assert sparse == [spec.moe_layer(i) for i in range(spec.num_hidden_layers)]
     tables = model.model.rotary_emb.named_buffers()
@@ -943,7 +948,13 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
         moe = model.model.layers[sparse.index(True)].mlp
         gate_up = moe.experts.gate_up_proj
         assert gate_up.shape[0] == spec.num_experts
-        assert gate_up.shape[1] == 2 * spec.moe_intermediate_size
+        # gpt-oss stores each expert's weights transposed: (hidden, 2 x moe_intermediate)
+        width_dim = 2 if getattr(moe.experts, "is_transposed", False) else 1
+        assert gate_up.shape[width_dim] == 2 * spec.moe_intermediate_size
+        biased = getattr(moe.experts, "gate_up_proj_bias", None) is not None
+        assert biased == rules.expert_biases
+        router = moe.router if hasattr(moe, "router") else moe.gate
+        assert (getattr(router, "bias", None) is not None) == rules.router_bias
         assert hf_config.num_experts_per_tok == spec.num_experts_per_tok
         shared = getattr(moe, "shared_experts", None)
         width = shared.up_proj.out_features if shared is not None else 0

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from memplan.catalog import spec_from_config
+from memplan.estimators.releases import Release
 from memplan.estimators.timeline import forward_saved
 from memplan.schema import TrainSetup
 from memplan.versions import installed_versions
@@ -39,6 +40,18 @@ CPU_ONLY_FAMILIES = {
     for name, overrides in recorder_families().items()
     if name not in PROBE["families"]
 }
+
+
+def attentions(model_type: str) -> tuple[str, ...]:
+    """The attention implementations the installed transformers builds the family with."""
+    refused = Release.of(INSTALLED).refuses_sdpa(model_type)
+    return ("eager",) if refused else ("sdpa", "eager")
+
+
+def default_case(case: str) -> bool:
+    """A family's bf16 case with its first attention runs by default, the others under slow."""
+    model_type = case.split("/")[0]
+    return case == f"{model_type}/bf16/{attentions(model_type)[0]}"
 
 
 def family_overrides(model_type: str) -> dict:
@@ -98,12 +111,12 @@ def test_matches_h200_probe(case: str) -> None:
 
 LIVE = [c for c in CASES if not c.startswith("gemma2/") or c.endswith("/eager")]
 LIVE += [
-    case if case.endswith("/bf16/sdpa") else pytest.param(case, marks=pytest.mark.slow)
+    case if default_case(case) else pytest.param(case, marks=pytest.mark.slow)
     for case in (
         f"{family}/{precision}/{attn}"
         for family in CPU_ONLY_FAMILIES
         for precision in ("bf16", "fp32")
-        for attn in ("sdpa", "eager")
+        for attn in attentions(family)
     )
 ]
 
@@ -121,22 +134,21 @@ CPU_ONLY_CASES = [
     f"{family}/{precision}/{attn}"
     for family in CPU_ONLY_FAMILIES
     for precision in ("bf16", "fp32")
-    for attn in ("sdpa", "eager")
+    for attn in attentions(family)
 ]
 
 
 @pytest.mark.parametrize(
     "case",
-    [
-        c if c.endswith("/bf16/sdpa") else pytest.param(c, marks=pytest.mark.slow)
-        for c in CPU_ONLY_CASES
-    ],
+    [c if default_case(c) else pytest.param(c, marks=pytest.mark.slow) for c in CPU_ONLY_CASES],
 )
 def test_unprobed_family_matches_autograd_on_cpu(case: str, saved_storage_bytes) -> None:
     """seed_oss on the CPU: its dropouts (at::dropout's noise, of the input's dtype, where CUDA's
     fused kernel keeps a bool mask; SDPA's math path, in fp32, where the CPU's fused kernel takes
     no dropout) and its attention biases. smollm3: a layer without RoPE, windowed. granite: its
-    multipliers save nothing (products with a number)."""
+    multipliers save nothing (products with a number). gpt_oss: eager attention with sinks
+    (the (seq + 1)-wide softmax, the row max's indices), half-width cos/sin, the biased top-k
+    router and clamped experts."""
     model_type, precision, attn = case.split("/")
     measured = saved_bytes_live(saved_storage_bytes, model_type, precision, attn)
     assert predicted(model_type, precision, attn, "cpu", INSTALLED) == measured
@@ -192,6 +204,10 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         ("gemma4_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
         pytest.param("gemma4_text", ALL_LINEAR, "fp32", "eager", marks=pytest.mark.slow),
         pytest.param("gemma4_text", ("k_proj",), "bf16", "eager", marks=pytest.mark.slow),
+        # sinks: the first layer keeps the softmax output only where the scores need a gradient,
+        # else matmul(probs, v) keeps its storage for v's; frozen experts keep no bias index
+        pytest.param("gpt_oss", ("q_proj", "v_proj"), "bf16", "eager", marks=pytest.mark.slow),
+        pytest.param("gpt_oss", ("v_proj",), "fp32", "eager", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -250,6 +266,10 @@ def test_lora_matches_autograd_on_cpu(
                 ("gemma4_text", ("rms_norm", "rope", "geglu", "flce"), "bf16", ()),
                 ("gemma4_text", ("rms_norm", "rope", "geglu", "cross_entropy"), "fp32", ()),
                 ("gemma4_text", ("rms_norm", "rope"), "bf16", ("k_proj", "o_proj")),
+                # the RoPE kernel on half-width cos/sin, eager attention with sinks
+                ("gpt_oss", ("rms_norm", "rope", "flce"), "bf16", ()),
+                ("gpt_oss", ("rms_norm", "rope", "cross_entropy"), "fp32", ()),
+                ("gpt_oss", ("rope",), "bf16", ("v_proj",)),
             ]
         ),
         # glm4_moe: RoPE on half of each head (q heads-major after it), SwiGLU in the dense layer
@@ -272,7 +292,7 @@ def test_patched_model_matches_autograd_on_cpu(
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **family_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    attn = "eager" if lora_targets else "sdpa"
+    attn = "eager" if lora_targets else attentions(model_type)[0]
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     lora = {}
     if lora_targets:
@@ -492,6 +512,8 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
                 ("glm4_moe", "bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
             ]
         ),
+        # eager attention with sinks keeps repeated k and v: the cache is memory of its own
+        ("gpt_oss", "bf16", {"attn": "eager"}),
     ],
 )
 def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> None:
@@ -506,7 +528,6 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **family_overrides(model_type))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
     setup = TrainSetup(
         batch=PROBE["batch"],
         seq=PROBE["seq"],
@@ -514,6 +535,8 @@ def test_kv_cache_matches_transformers(model_type, precision, setup_options) -> 
         transformers=INSTALLED,
         **setup_options,
     )
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=setup.attn)
+    model.train()
     if setup.grad_checkpointing:
         model.gradient_checkpointing_enable()
     if setup.lora_rank:

@@ -96,6 +96,14 @@ FAMILIES = {
         "layer_types": ["sliding_attention", "full_attention"],
         "hidden_size_per_layer_input": 0,
     },
+    # a sliding and a full layer with sinks, the window reached at seq 64; biased experts
+    "gpt_oss": {
+        "head_dim": 64,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
 }
 
 
@@ -130,6 +138,7 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "mixtral": (_ATTENTION_QV, _ATTENTION_ALL),
     "qwen3_moe": (_ATTENTION_QV, _ATTENTION_ALL),
     "glm4_moe": (_ATTENTION_QV, _ATTENTION_ALL),
+    "gpt_oss": (_ATTENTION_QV, _ATTENTION_ALL),
 }
 LORA_TARGETS["llama"] += (
     ("o_proj",),

@@ -84,6 +84,8 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     attention_bias, attention_out_bias = _attention_biases(rules, cfg)
     if rules.llama4_query_scale:
         _check_llama4_scale(cfg, model_type)
+    if rules.attention_sinks:
+        _check_sinks_dropout(cfg, model_type)
     nope_layers = _nope_layers(rules, cfg, layers)
     sliding_window, layer_types = _attention_windows(rules, cfg, layers, nope_layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
@@ -116,6 +118,8 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "rope_in_fp32": rules.rope_in_fp32,
         "rope_tables": _rope_tables(rules, cfg, layers),
         "rotary_dim": _rotary_dim(rules, cfg, head_dim),
+        "rope_half_tables": rules.rope_half_tables,
+        "attention_sinks": rules.attention_sinks,
         "fused_qkv": rules.fused,
         "fused_gate_up": rules.fused,
         "final_logit_softcapping": _optional_positive_float(cfg, "final_logit_softcapping"),
@@ -388,6 +392,15 @@ def _check_llama4_scale(cfg: dict[str, Any], model_type: str) -> None:
                 f"original_max_position_embeddings, and this config's rope_parameters gives no "
                 f"{key}: transformers' {model_type} attention cannot run it"
             )
+
+
+def _check_sinks_dropout(cfg: dict[str, Any], model_type: str) -> None:
+    """Dropout on attention probabilities that sit beside a sink column is not modelled."""
+    if _probability(cfg, "attention_dropout"):
+        raise MemplanError(
+            f"{model_type} with attention_dropout {_show(cfg['attention_dropout'])} is not "
+            "supported: memplan models its sink attention without dropout (attention_dropout 0)"
+        )
 
 
 def _attention_biases(rules: ConfigRules, cfg: dict[str, Any]) -> tuple[bool, bool]:

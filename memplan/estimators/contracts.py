@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from memplan.estimators import kernel_contracts as kc
-from memplan.estimators.params import LORA_TARGET_SHAPES, layer_lora_targets
+from memplan.estimators.params import LORA_TARGET_SHAPES, layer_lora_targets, moe_rules
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
 from memplan.schema import GLU_KERNEL_BY_ACTIVATION, ModelSpec, TrainSetup
@@ -83,8 +83,9 @@ class Saved:
         return int(per_token * tokens) + constant
 
 
-# Entries of layer_saved that the layer saves after attention (its MLP and the norms around it).
-AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "norm.post_mlp")
+# Entries of layer_saved that the layer saves after attention (its MLP or MoE block and the norms
+# around it).
+AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "moe.", "norm.post_mlp")
 # The entry of layer_saved for what q, k and v keep of the layer's input in a post-norm layer.
 LAYER_INPUT = "attn.in"
 
@@ -251,8 +252,13 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         p_scores = scores_bytes(ctx)
         dropout = spec.attention_dropout > 0
         out.add_each("attn.qkv", *[p_scores * nh * hd] * (k_grad + q_grad + scores_grad))
-        cast_kept = v_grad and (dropout or p_scores < FP32 or not scores_grad)
-        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p_scores * nh * seq * cast_kept)
+        if spec.attention_sinks:
+            sink_probs_saved(ctx, out, scores_grad, v_grad)
+        else:
+            cast_kept = v_grad and (dropout or p_scores < FP32 or not scores_grad)
+            out.add_each(
+                "attn.probs", FP32 * nh * seq * scores_grad, p_scores * nh * seq * cast_kept
+            )
         if dropout and scores_grad:
             out.add("attn.dropout", dropout_saved_bytes(ctx, p_scores) * nh * seq)
         if ctx.setup.attn == "eager" and spec.attn_logit_softcapping and scores_grad:
@@ -307,6 +313,25 @@ def v_norm_saved(ctx: LayerContext, out: Saved) -> None:
     shared_input = spec.values_from_keys and p == FP32
     out.add_each("attn.v_norm", 0 if shared_input else FP32 * heads * hd, FP32 * heads)
     out.add("attn.v_norm", FP32 * heads)
+
+
+def sink_probs_saved(ctx: LayerContext, out: Saved, scores_grad: bool, v_grad: bool) -> None:
+    """gpt-oss's eager attention: cat(scores + mask, sinks) in the residual stream's dtype (the
+    mask's; under autocast cat promotes to the fp32 sinks), minus its row max (max keeps its
+    int64 indices), softmax in that dtype (its (seq + 1)-wide output kept), the sink column
+    dropped by a slice, cast to v's dtype for matmul(probs, v): a copy under autocast, else a
+    view of the softmax output, whose storage the matmul then keeps where nothing else does."""
+    nh, seq, p = ctx.spec.num_attention_heads, ctx.seq, ctx.dtypes.proj
+    p_logits = ctx.dtypes.residual
+    if scores_grad:
+        out.add("attn.sink_max", INT64 * nh)
+        out.add("attn.probs", p_logits * nh * (seq + 1))
+    if not v_grad:
+        return
+    if p_logits != p:
+        out.add("attn.probs", p * nh * seq)
+    elif not scores_grad:
+        out.add("attn.probs", p_logits * nh * (seq + 1))
 
 
 def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
@@ -477,14 +502,24 @@ def moe_saved(ctx: LayerContext, out: Saved) -> None:
         spec.hidden_size,
     )
     routing_weight = moe_router_saved(ctx, out)
+    router = moe_rules(spec)
     # Per routed row: the gathered input (twice when the expert matmuls keep it for their
     # weight's gradient), gate, up, act(gate) and the product (each moe_intermediate wide),
     # three index rows, the routing weight and, before transformers 5.18, the mask bool; frozen
     # expert matmuls keep neither input.
     inputs = [p * h] * (2 if ctx.trainable_base else 1)
-    intermediates = [p * inter] * (4 if ctx.trainable_base else 3)
+    if router.clamped_glu:
+        # gpt-oss: the gate_up output (both clamps keep it, 2 x moe wide), then the clamped gate,
+        # sigmoid(alpha x gate), up + 1 and their product's other factor, and the product
+        intermediates = [p * 2 * inter] + [p * inter] * (5 if ctx.trainable_base else 4)
+    else:
+        intermediates = [p * inter] * (4 if ctx.trainable_base else 3)
+    # the expert ids that gather each row's biases, kept where the biases train
+    bias_index = [INT64] if router.expert_biases and ctx.trainable_base else []
     mask = [1] if Release.of(ctx.setup.transformers).moe_sentinel_mask else []
-    routed_row = [*inputs, *intermediates, INT64, INT64, INT64, routing_weight, *mask]
+    routed_row = [
+        *inputs, *intermediates, INT64, INT64, INT64, *bias_index, routing_weight, *mask
+    ]  # fmt: skip
     out.add_each("moe.experts", *(k * n for n in routed_row))
     out.add("moe.experts", constant=4 * e)
 
@@ -496,6 +531,8 @@ def moe_router_saved(ctx: LayerContext, out: Saved) -> int:
     the weights before it). Each routed row keeps its routing weight (for the product that
     applies it): fp32 from Mixtral's router softmax; qwen3_moe's router casts it to the router
     logits' dtype.
+    topk_softmax (gpt-oss): top-k (its indices), the softmax over the k logits (its output, in
+    the logits' dtype, which each routed row's weight is).
     sigmoid_fp32 (DeepSeek-style): the linear on fp32 copies of its input and weight keeps
     them (bf16 weights, the weight's before transformers 5.24, which keeps it in fp32; in fp32
     they are the tensors themselves, under autocast its casts as any linear's), sigmoid its
@@ -504,11 +541,13 @@ def moe_router_saved(ctx: LayerContext, out: Saved) -> int:
     the nodes freed when the router returns (only the final indices are kept, by gather)."""
     spec, d = ctx.spec, ctx.dtypes
     e, k, h = spec.num_experts, spec.num_experts_per_tok, spec.hidden_size
-    router = FAMILIES[spec.model_type].config.moe
-    assert router is not None, f"{spec.model_type} has no MoE rules"
+    router = moe_rules(spec)
     normalized = spec.hf_config.get("norm_topk_prob", router.normalizes_by_default)
+    if router.router == "topk_softmax":
+        out.add_each("moe.router", INT64 * k, d.proj * k)
     if router.router == "softmax":
         out.add_each("moe.router", FP32 * e, INT64 * k, *((FP32, FP32 * k) if normalized else ()))
+    if router.router != "sigmoid_fp32":
         return FP32 if router.fp32_routing_weights else d.proj
     logits = d.proj if d.autocast else FP32
     if router_copies_input(ctx):

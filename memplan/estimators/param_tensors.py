@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.estimators.params import qk_norm_widths
-from memplan.families import FAMILIES
+from memplan.estimators.params import moe_rules, qk_norm_widths
 from memplan.schema import ModelSpec
 
 Shape = tuple[int, int]  # (dim 0, the product of the other dims)
@@ -103,7 +102,8 @@ def model_param_tensors(spec: ModelSpec) -> list[int]:
 def param_shapes(spec: ModelSpec) -> ParamShapes:
     h, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
-    attention: list[Shape] = []
+    # the attention module's own parameter, registered before its projections
+    attention: list[Shape] = [(spec.num_attention_heads, 1)] if spec.attention_sinks else []
     qk_norms = [(width, 1) for width in qk_norm_widths(spec)]
     if spec.fused_qkv:
         projections: tuple[int, ...] = (q_out + 2 * kv_out,)
@@ -142,8 +142,7 @@ def router_position(spec: ModelSpec) -> int | None:
     """Where moe_shapes puts the router weight, for a MoE model."""
     if not spec.num_experts:
         return None
-    rules = FAMILIES[spec.model_type].config.moe
-    return 0 if rules is None or rules.router == "softmax" else 2
+    return len(expert_shapes(spec)) if moe_rules(spec).router == "sigmoid_fp32" else 0
 
 
 def dense_mlp_shapes(spec: ModelSpec, inter: int, bias: bool | None = None) -> list[Shape]:
@@ -162,14 +161,25 @@ def dense_mlp_shapes(spec: ModelSpec, inter: int, bias: bool | None = None) -> l
 
 def moe_shapes(spec: ModelSpec) -> list[Shape]:
     """A MoE block: transformers 5 keeps the experts as 3-D parameters, (experts, 2 x moe, h)
-    and (experts, h, moe), beside the (experts, h) router: registered first (Mixtral, Qwen3),
-    or after the experts and before the shared experts' MLP (DeepSeek-style)."""
+    and (experts, h, moe), beside the (experts, h) router (and its bias, gpt-oss): registered
+    first (Mixtral, Qwen3, gpt-oss), or after the experts and before the shared experts' MLP
+    (DeepSeek-style)."""
+    e, h = spec.num_experts, spec.hidden_size
+    rules = moe_rules(spec)
+    router: list[Shape] = [(e, h)] + ([(e, 1)] if rules.router_bias else [])
+    if rules.router != "sigmoid_fp32":
+        return router + expert_shapes(spec)
+    shared = dense_mlp_shapes(spec, spec.shared_expert_intermediate_size, False)
+    return expert_shapes(spec) + router + shared
+
+
+def expert_shapes(spec: ModelSpec) -> list[Shape]:
+    """The experts' gate_up and down weights, each followed by its per-expert bias where the
+    family has them (gpt-oss)."""
     e, moe, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
-    router, experts = [(e, h)], [(e, 2 * moe * h), (e, h * moe)]
-    rules = FAMILIES[spec.model_type].config.moe
-    if rules is None or rules.router == "softmax":
-        return router + experts
-    return experts + router + dense_mlp_shapes(spec, spec.shared_expert_intermediate_size, False)
+    biases = moe_rules(spec).expert_biases
+    gate_up: list[Shape] = [(e, 2 * moe * h)] + ([(e, 2 * moe)] if biases else [])
+    return gate_up + [(e, h * moe)] + ([(e, h)] if biases else [])
 
 
 def param_tensors(spec: ModelSpec) -> ParamTensors:

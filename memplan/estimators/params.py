@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.errors import UsageError
+from memplan.families import FAMILIES
+from memplan.families.family import MoeRules
 from memplan.schema import ModelSpec, TrainSetup
 
 
@@ -43,6 +45,7 @@ def layer_linear_params(layer: ModelSpec, index: int) -> int:
         attn += h
     if layer.moe_layer(index):
         mlp = h * layer.num_experts + layer.num_experts * 3 * h * layer.moe_intermediate_size
+        mlp += layer.num_experts * sum(moe_bias_widths(layer))
         mlp += 3 * h * layer.shared_expert_intermediate_size
     else:
         inter = layer.intermediate_size
@@ -51,10 +54,11 @@ def layer_linear_params(layer: ModelSpec, index: int) -> int:
 
 
 def layer_other_params(layer: ModelSpec) -> int:
-    """Norm weights of one decoder layer (a ModelSpec.layer view)."""
+    """Norm weights of one decoder layer (a ModelSpec.layer view), and gpt-oss's sink logits."""
     norm_width = 2 * layer.hidden_size if layer.norm == "layer" else layer.hidden_size
     n_norms = 4 if layer.sandwich_norm else 2
-    return n_norms * norm_width + sum(qk_norm_widths(layer))
+    sinks = layer.num_attention_heads if layer.attention_sinks else 0
+    return n_norms * norm_width + sum(qk_norm_widths(layer)) + sinks
 
 
 def count_params(spec: ModelSpec) -> ParamCounts:
@@ -68,6 +72,21 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         layers_linear=sum(layer_linear_params(layer, i) for i, layer in enumerate(layers)),
         layers_other=sum(map(layer_other_params, layers)),
     )
+
+
+def moe_rules(spec: ModelSpec) -> MoeRules:
+    rules = FAMILIES[spec.model_type].config.moe
+    assert rules is not None, f"{spec.model_type} has no MoE rules"
+    return rules
+
+
+def moe_bias_widths(spec: ModelSpec) -> tuple[int, ...]:
+    """Per expert, the widths of the MoE block's biases in registration order: the router's
+    (one per expert: 1 each), then gate_up_proj's and down_proj's where the experts have them."""
+    rules = moe_rules(spec)
+    router = (1,) if rules.router_bias else ()
+    experts = (2 * spec.moe_intermediate_size, spec.hidden_size) if rules.expert_biases else ()
+    return router + experts
 
 
 def qk_norm_widths(spec: ModelSpec) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from memplan.estimators.contracts import (
     kv_path_saved,
     layer_saved,
     norm_saved,
+    o_input_kept,
     rotation_saved,
     runs_under_autocast,
     sdpa_math_path,
@@ -40,6 +41,7 @@ from memplan.estimators.params import (
     layer_lora_targets,
     lora_params,
     lora_shapes,
+    moe_rules,
 )
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
@@ -197,8 +199,11 @@ def forward_saved(
         gemma_norms(spec),
     )
     rope_dtype = FP32 if dtypes.autocast or spec.rope_in_fp32 else dtypes.residual
+    # gpt-oss's tables hold one angle per rotated pair, applied to both halves
+    halved = 2 if spec.rope_half_tables else 1
     shared = sum(
-        2 * blocks(setup.seq * width * rope_dtype) for width in rope_tables_kept(spec, contexts)
+        2 * blocks(setup.seq * width // halved * rope_dtype)
+        for width in rope_tables_kept(spec, contexts)
     )
     embedding = 0 if lora else blocks(tokens * INT64)
     if FAMILIES[spec.model_type].scaled_embedding and not lora:
@@ -407,6 +412,10 @@ class StepSizes:
     kept_kv: list[KeptKv]
     autocast_cache: int
     mlp_bwd_transient: list[list[int]]  # per layer
+    mlp_bwd_transient: list[list[int]]  # per layer
+    # gpt-oss's experts: their backward's peak less what the layer saved after attention (the
+    # MLP mark then frees those first and holds this beside them); None: the MLP rule above.
+    clamped_moe_bwd_delta: int | None
     attention_bwd_transient: list[list[int]]  # per layer
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
@@ -516,10 +525,16 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             mlp_backward_transient(spec, setup, dtypes, spec.moe_layer(index))
             for index in range(spec.num_hidden_layers)
         ],
+        clamped_moe_bwd_delta=clamped_moe_backward_delta(spec, setup, dtypes, weights.param)
+        if spec.num_experts and moe_rules(spec).clamped_glu
+        else None,
         # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
         # gradients where attention materializes scores.
         attention_bwd_transient=[
-            attention_backward_transient(layer, tokens, p, scores) for layer in layers
+            sink_attention_backward_held(spec, setup, dtypes, backend)
+            if setup.attn == "eager" and spec.attention_sinks
+            else attention_backward_transient(layer, tokens, p, scores)
+            for layer in layers
         ],
         flce_autocast_copies=autocast_copies,
         flce_steps=kc.flce_allocations(
@@ -684,6 +699,85 @@ def attention_scores_backward_bytes(
     if setup.attn == "eager" and dtypes.proj != FP32:
         per_score -= dtypes.proj
     return spec.num_attention_heads * setup.seq * per_score
+
+
+def clamped_moe_backward_delta(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, grad_bytes: int
+) -> int:
+    """gpt-oss's MoE backward at its peak (traced step), beside what the layer saved after
+    attention: the higher of (a) the down projection's backward done, three moe-wide gradients
+    alive (of the product, up + 1 and the gate's sigmoid product) with the inverse permutation,
+    the routing weights, the down output and the product freed, or (b) the gate_up projection's
+    backward, its 2 x moe-wide input gradient and two hidden-wide ones alive, every saved expert
+    tensor but the indices freed. The mark counts every gradient of the block: less those not
+    yet written at that point (on one GPU)."""
+    k, h, inter = spec.num_experts_per_tok, spec.hidden_size, spec.moe_intermediate_size
+    e, p = spec.num_experts, dtypes.param
+    tokens = setup.batch * setup.seq
+    trained = 0 if setup.lora_rank else 1
+    down_done = tokens * k * (3 * inter * p - INT64 - h * p - trained * inter * p)
+    gate_up_done = -tokens * k * (INT64 + (4 + trained) * inter * p) - 4 * e
+    if not trained or setup.distributed:
+        return max(down_done, gate_up_done)
+    rules = moe_rules(spec)
+    router = e * h + (e if rules.router_bias else 0)
+    gate_up_bias = e * 2 * inter if rules.expert_biases else 0
+    down_done -= (router + e * h * 2 * inter + gate_up_bias) * grad_bytes
+    gate_up_done -= (router + gate_up_bias) * grad_bytes
+    return max(down_done, gate_up_done)
+
+
+def sink_attention_backward_held(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str
+) -> list[int]:
+    """What gpt-oss's eager attention backward holds at its peak, the row max's backward, beyond
+    what the attention mark counts (the layer's saved tensors before attention, every gradient
+    of the attention part): the max's zeros and their scatter beside the softmax's gradient,
+    three (seq + 1)-wide tensors in the logits' dtype (the residual stream's), the max
+    gradient's sum, and the repeated v's gradient in v's dtype where that is not the saved v's
+    (autocast's cast of the KV cache's fp32 values); less what is gone or not yet made by then:
+    the saved softmax output (one of the three), the probabilities' cast and o_proj's weight copy
+    (autocast), o_proj's input and, on one GPU, the gradients q, k, v and the sinks get after
+    it."""
+    nh, hd, seq, p = spec.num_attention_heads, spec.head_dim, setup.seq, dtypes.proj
+    p_logits = dtypes.residual
+    per_token = nh * (2 * (seq + 1) * p_logits + p_logits)
+    ctx = layer_contexts(spec, setup, dtypes, backend)[-1]
+    if p_logits != p:
+        per_token -= nh * seq * p
+        per_token += nh * hd * (values_bytes(spec, setup, dtypes, ctx) - p)
+    if o_input_kept(ctx):
+        per_token -= p * nh * hd
+    held = setup.batch * seq * per_token
+    if dtypes.autocast:
+        held -= p * spec.hidden_size * nh * hd
+    if not setup.distributed:
+        held -= attention_gradients_after_core(spec, setup)
+    return [held]
+
+
+def values_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, ctx: LayerContext) -> int:
+    """Bytes per element of v as attention takes it: the KV cache's values where transformers
+    builds one in training (walk_step: no loss kernel, no checkpointing), else v_proj's."""
+    hf_loss = not {"flce", "cross_entropy"} & set(setup.kernels)
+    if hf_loss and not setup.grad_checkpointing and spec.use_cache:
+        return kv_cache_dtypes(setup, dtypes, ctx.keys_in_residual_dtype)[1]
+    return dtypes.proj
+
+
+def attention_gradients_after_core(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Bytes of the attention part's gradients written after its core's backward: all but
+    o_proj's (weight and bias, or its adapter's two factors), which its backward writes first."""
+    if setup.lora_rank:
+        shapes = zip(layer_lora_targets(spec, setup), lora_shapes(spec, setup), strict=True)
+        return sum(
+            FP32 * setup.lora_rank * (fan_in + fan_out)
+            for target, (fan_in, fan_out) in shapes
+            if LORA_TARGET_STAGE[target] == 0
+        )
+    tensors = param_tensors(spec).attention
+    o_proj = 2 if spec.attention_out_bias else 1
+    return sum(tensors[:-o_proj]) * DtypePlan.of(setup.precision).param
 
 
 @dataclass
@@ -1021,6 +1115,12 @@ def walk_step(
             ("attention", gradients.attention, sizes.attention_bwd_transient[index], kept_before),
         ):
             builder.at("backward", label)
+            clamped = sizes.clamped_moe_bwd_delta is not None and spec.moe_layer(index)
+            if part == "mlp" and clamped:
+                kept_bytes = sum(builder.size_of(t)[0] for t in kept)
+                builder.free_all(kept)
+                kept = []
+                transient = [max(0, kept_bytes + sizes.clamped_moe_bwd_delta)]
             held = builder.alloc_all("transient", transient)
             keep_gradients(f"layer {index}", part, *nbytes)
             builder.mark("backward", label)

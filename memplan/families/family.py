@@ -25,10 +25,15 @@ class MoeRules:
         (DeepSeek-style first_k_dense_replace), read as ModelSpec.dense_layers.
     shared_experts_key: the config key giving how many shared experts (one gated MLP of
         expert width x that many) each MoE layer runs beside the routed ones.
-    router: "softmax": the router's linear in the input's dtype, a softmax; "sigmoid_fp32"
+    router: "softmax": the router's linear in the input's dtype, a softmax of all its logits
+        in fp32, then the top k; "topk_softmax" (gpt-oss): the linear in the input's dtype, the
+        top k of its logits, a softmax of those k in the logits' dtype; "sigmoid_fp32"
         (DeepSeek-style): the linear on fp32 copies of its input and weight, sigmoid scores
         plus an fp32 e_score_correction_bias buffer per MoE layer, group-limited top-k, the
-        routing weights in the router logits' dtype (fp32, autocast's under autocast)."""
+        routing weights in the router logits' dtype (fp32, autocast's under autocast).
+    router_bias: the router linear has a bias. expert_biases: gate_up_proj and down_proj each
+        have a per-expert bias. clamped_glu: gpt-oss's gate: gate and up interleaved in the
+        gate_up output, both clamped to its limit, gate * sigmoid(alpha * gate) * (up + 1)."""
 
     experts_key: Literal["num_experts", "num_local_experts", "n_routed_experts"]
     expert_width_key: str
@@ -37,7 +42,10 @@ class MoeRules:
     dense_layers_key: str | None = None
     first_dense_key: str | None = None
     shared_experts_key: str | None = None
-    router: Literal["softmax", "sigmoid_fp32"] = "softmax"
+    router: Literal["softmax", "topk_softmax", "sigmoid_fp32"] = "softmax"
+    router_bias: bool = False
+    expert_biases: bool = False
+    clamped_glu: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,12 @@ class ConfigRules:
     layer_scalar: each layer multiplies its output in place by a 1-element buffer (Gemma 4).
     keeps_last_kv_per_type: the last layer of each attention type stores its k and v in the
         model's shared_kv_states, which holds them until forward returns (Gemma 4).
-    unmodelled: keys whose other values spec_from_config refuses."""
+    unmodelled: keys whose other values spec_from_config refuses.
+    rope_half_tables: cos/sin are head_dim / 2 wide, one value per rotated pair, which the
+        rotation applies to both halves of each head (gpt-oss).
+    attention_sinks: each attention head has a learned sink logit (a `sinks` parameter) that
+        eager attention concatenates to the scores before the softmax and drops after it
+        (gpt-oss); attention_dropout must then be 0."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
@@ -116,6 +129,8 @@ class ConfigRules:
     post_norm: bool = False
     rope_in_fp32: bool = False
     rope_per_layer_type: bool = False
+    rope_half_tables: bool = False
+    attention_sinks: bool = False
     fused: bool = False
     llama4_query_scale: bool = False
     qk_norm_key: str | None = None

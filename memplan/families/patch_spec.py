@@ -63,7 +63,11 @@ class AttentionSpec:
         where the module has a window only those layers rotate q and k; None: no such flag.
     v_norm: Gemma 4's attention: q_norm, k_norm and a scale-free v_norm on each head (before the
         heads move to dim 1, RoPE with unsqueeze_dim=2), and v is k_proj's output where the
-        module has no v_proj (attention_k_eq_v)."""
+        module has no v_proj (attention_k_eq_v).
+    sinks_attr: module attribute holding the per-head sink logits, passed to the interface as
+        `s_aux=` (gpt-oss); None: the family has none.
+    half_rope_tables: cos/sin are head_dim / 2 wide and rotate the whole head (gpt-oss), not
+        the first cos-width dims of it (partial rotary)."""
 
     classes: tuple[str, ...]
     qkv: Literal["separate", "fused"] = "separate"
@@ -77,6 +81,8 @@ class AttentionSpec:
     rope_flag_attr: str | None = None
     sliding_flag_attr: str | None = None
     v_norm: bool = False
+    sinks_attr: str | None = None
+    half_rope_tables: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,12 +138,15 @@ class DecoderLayerSpec:
     branch_dropouts: dropout modules on the attention and MLP outputs before their adds (phi3).
     final_norm_attr: the base model's norm after the last layer.
     residual_multiplier_attr: the layer attribute both branch outputs are multiplied by before
-        their adds (Granite's residual_multiplier)."""
+        their adds (Granite's residual_multiplier).
+    mlp_returns_router_scores: the MLP returns (hidden_states, router_scores) and the layer adds
+        the first (gpt-oss)."""
 
     classes: tuple[str, ...]
     branch_dropouts: tuple[str, str] | None = None
     final_norm_attr: str = "norm"
     residual_multiplier_attr: str | None = None
+    mlp_returns_router_scores: bool = False
 
 
 @dataclass(frozen=True)

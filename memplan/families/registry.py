@@ -678,5 +678,56 @@ FAMILIES: dict[str, Family] = {
             ),
             tiny_from="exaone-4.0-32b",
         ),
+        Family(
+            model_type="gpt_oss",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 201088,
+                    "hidden_size": 2880,
+                    "intermediate_size": 2880,
+                    "num_hidden_layers": 36,
+                    "num_attention_heads": 64,
+                    "num_key_value_heads": 8,
+                    "head_dim": 64,
+                    "max_position_embeddings": 131072,
+                    "sliding_window": 128,
+                    "attention_bias": True,
+                    "num_local_experts": 128,
+                    "num_experts_per_tok": 4,
+                },
+                windowed_layers="pattern",
+                sliding_window_pattern=2,
+                rope_half_tables=True,
+                attention_sinks=True,
+                moe=MoeRules(
+                    experts_key="num_local_experts",
+                    expert_width_key="intermediate_size",
+                    normalizes_by_default=False,
+                    fp32_routing_weights=False,
+                    router="topk_softmax",
+                    router_bias=True,
+                    expert_biases=True,
+                    clamped_glu=True,
+                ),
+            ),
+            patch=PatchSpec(
+                model_type="gpt_oss",
+                # (w * x.float()).to(dtype): the weight product in fp32, as OLMo's
+                norm=NormSpec(classes=("GptOssRMSNorm",), casting="gemma"),
+                attention=AttentionSpec(
+                    classes=("GptOssAttention",),
+                    sliding_window="module",
+                    sinks_attr="sinks",
+                    half_rope_tables=True,
+                ),
+                causal_lm=CausalLMSpec(classes=("GptOssForCausalLM",), moe_aux_loss=True),
+                decoder_layer=DecoderLayerSpec(
+                    classes=("GptOssDecoderLayer",), mlp_returns_router_scores=True
+                ),
+                notes=_EXPERTS_KEPT,
+            ),
+            tiny_from="gpt-oss-20b",
+            sdpa_refused_from=(5, 0),  # no SDPA path takes the sink logits: eager
+        ),
     )
 }

@@ -2,7 +2,8 @@
     out = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
 i.e. out1 = x1 * cos1 - x2 * sin1, out2 = x2 * cos2 + x1 * sin2 (halves of the head dim).
 cos/sin are used as the model's rotary embedding returns them, both halves read, so scaled
-variants (linear, dynamic NTK, YaRN, Llama 3) need nothing special.
+variants (linear, dynamic NTK, YaRN, Llama 3) need nothing special. cos/sin of head_dim / 2 (one
+value per rotated pair, gpt-oss's tables) apply to both halves: cos1 = cos2, sin1 = sin2.
 
 q and k are rotated together, one program per token (one launch per 65535 batch rows), reading
 them through their strides (they are usually transposed views of (B, S, heads, head_dim)
@@ -111,6 +112,7 @@ def _rope_kernel(
     cos_sb,
     cos_ss,
     HALF: tl.constexpr,
+    COS_HALF: tl.constexpr,  # offset of cos's and sin's second half: HALF, or 0 for half tables
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -124,8 +126,8 @@ def _rope_kernel(
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < HALF
     cs_offset = b * cos_sb + s * cos_ss + dims[None, :]
-    cos1, cos2 = _load_halves(cos_ptr + cs_offset, dmask[None, :], HALF)
-    sin1, sin2 = _load_halves(sin_ptr + cs_offset, dmask[None, :], HALF)
+    cos1, cos2 = _load_halves(cos_ptr + cs_offset, dmask[None, :], COS_HALF)
+    sin1, sin2 = _load_halves(sin_ptr + cs_offset, dmask[None, :], COS_HALF)
     q_in, q_mask = _head_tile(q_ptr, b, s, n_q_heads, q_sb, q_ss, q_sh, HALF, BLOCK_QH, BLOCK_D)
     k_in, k_mask = _head_tile(k_ptr, b, s, n_k_heads, k_sb, k_ss, k_sh, HALF, BLOCK_KH, BLOCK_D)
     q1, q2 = _load_halves(q_in, q_mask, HALF)
@@ -156,10 +158,10 @@ def _check_shapes(
         raise UsageError("rope expects 4-d q and k (batch, heads, seq, head_dim).")
     seq_dim = 3 - unsqueeze_dim
     head_dim = q.shape[-1]
-    if head_dim % 2 or k.shape[-1] != head_dim or cos.shape[-1] != head_dim:
+    if head_dim % 2 or k.shape[-1] != head_dim or cos.shape[-1] not in (head_dim, head_dim // 2):
         raise UsageError(
-            f"rope needs an even head_dim shared by q, k and cos/sin; got q {q.shape[-1]}, "
-            f"k {k.shape[-1]}, cos {cos.shape[-1]}."
+            f"rope needs an even head_dim shared by q and k, and cos/sin of head_dim or "
+            f"head_dim / 2; got q {q.shape[-1]}, k {k.shape[-1]}, cos {cos.shape[-1]}."
         )
     if (q.shape[0], q.shape[seq_dim]) != (k.shape[0], k.shape[seq_dim]):
         raise UsageError("rope: q and k must share batch and sequence sizes.")
@@ -211,8 +213,9 @@ def _launch(
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
     # (batch or 1, seq, D) -> (batch, seq, D) with stride 0 where broadcast: no copy.
-    cos = cos.expand(batch, seq_len, head_dim)
-    sin = sin.expand(batch, seq_len, head_dim)
+    table_dim = cos.shape[-1]
+    cos = cos.expand(batch, seq_len, table_dim)
+    sin = sin.expand(batch, seq_len, table_dim)
     q_out, k_out = (q, k) if in_place else (torch.empty_like(q), torch.empty_like(k))
     if q.numel() == 0:
         return q_out, k_out
@@ -227,6 +230,7 @@ def _launch(
     )
     constants = {
         "HALF": head_dim // 2,
+        "COS_HALF": head_dim // 2 if table_dim == head_dim else 0,
         "BLOCK_QH": block_qh,
         "BLOCK_KH": block_kh,
         "BLOCK_D": block_d,
@@ -335,7 +339,8 @@ def rope(
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused apply_rotary_pos_emb: q (B, n_heads, S, D), k (B, n_kv_heads, S, D) for
-    unsqueeze_dim=1 ((B, S, heads, D) for 2); cos/sin (B or 1, S, D) or (S, D). The rotation
+    unsqueeze_dim=1 ((B, S, heads, D) for 2); cos/sin (B or 1, S, D) or (S, D), or D / 2 wide
+    (one value per rotated pair, applied to both halves). The rotation
     is computed in fp32 and stored in q's and k's dtype, also where cos/sin are fp32 (under
     autocast; transformers' formula would promote q and k to fp32 there, which attention then
     casts back).

@@ -184,6 +184,7 @@ def decoder_layer_forward(
     options = _norm_options(norm_spec)
     dropouts = spec.branch_dropouts
     multiplier_attr = spec.residual_multiplier_attr
+    router_scores_returned = spec.mlp_returns_router_scores
 
     def normed(norm: nn.Module, x: torch.Tensor, inputs: int) -> tuple[torch.Tensor, ...]:
         return consumed_norm(x, norm.weight, getattr(norm, eps_attr), consumers=inputs, **options)
@@ -230,6 +231,8 @@ def decoder_layer_forward(
             self.post_attention_layernorm, residual, attention_out, wiring.mlp_inputs
         )
         mlp_out = self.mlp(views[0], **projection_inputs(views))
+        if router_scores_returned:
+            mlp_out = mlp_out[0]
         if dropouts is not None:
             mlp_out = getattr(self, dropouts[1])(mlp_out)
         if multiplier_attr is not None:
@@ -285,9 +288,10 @@ def _rotate(
     cos: torch.Tensor,
     sin: torch.Tensor,
     in_place: bool,
+    half_tables: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rotary_dim = cos.shape[-1]
-    if rotary_dim == q.shape[-1]:
+    if rotary_dim == q.shape[-1] or half_tables:
         return rope(q, k, cos, sin, in_place=in_place)
     # Partial rotary (phi3 with partial_rotary_factor < 1): the tail of each head passes through.
     q_rot, k_rot = rope(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
@@ -378,7 +382,15 @@ def attention_forward(
             # q and k are fresh projection (or qk-norm) outputs that nothing saved: rotated in
             # place, except as slices of a fused qkv output, which attention would then keep
             # whole.
-            query, key = _rotate(rope, query, key, cos, sin, in_place=spec.qkv != "fused")
+            query, key = _rotate(
+                rope,
+                query,
+                key,
+                cos,
+                sin,
+                in_place=spec.qkv != "fused",
+                half_tables=spec.half_rope_tables,
+            )
         if query_scale is not None:
             # as the family's forward: position_ids are its own argument, not the interface's
             rope_parameters = self.config.rope_parameters
@@ -399,6 +411,8 @@ def attention_forward(
             options["sliding_window"] = getattr(self.config, "sliding_window", None)
         if spec.softcap_attr is not None:
             options["softcap"] = getattr(self, spec.softcap_attr)
+        if spec.sinks_attr is not None:
+            options["s_aux"] = getattr(self, spec.sinks_attr)
 
         interface = _attention_interface(self.config._attn_implementation, eager)
         attn_output, attn_weights = interface(

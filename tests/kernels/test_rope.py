@@ -116,6 +116,28 @@ def test_contiguous_inputs_and_unequal_cos_halves(device):
 
 
 @pytest.mark.parametrize("in_place", [False, True])
+def test_half_tables_match_gpt_oss(device, in_place):
+    """cos/sin of head_dim / 2 (gpt-oss's rotary embedding) rotate both halves with them, as
+    gpt-oss's apply_rotary_pos_emb does, forward and backward."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss
+
+    torch.manual_seed(2)
+    q_proj, k_proj, views = projections(2, 9, 4, 2, 16, device, torch.float32)
+    cos, sin = torch.randn(1, 9, 8, device=device), torch.randn(1, 9, 8, device=device)
+    qr, kr = (t.detach().clone().requires_grad_() for t in (q_proj, k_proj))
+    ref = gpt_oss(*views(qr, kr), cos, sin)
+    out = rope(*views(q_proj.clone(), k_proj.clone()), cos, sin, in_place=in_place)
+    for o, r in zip(out, ref, strict=True):
+        assert rel(o, r) <= 1e-6
+    douts = tuple(torch.randn_like(o) for o in out)
+    # the reference first: the in-place backward rotates the output gradients in their memory
+    want = torch.autograd.grad(ref, (qr, kr), douts)
+    got = torch.autograd.grad(out, (q_proj, k_proj), douts)
+    for g, w in zip(got, want, strict=True):
+        assert rel(g, w) <= 1e-6
+
+
+@pytest.mark.parametrize("in_place", [False, True])
 def test_head_dim_off_unit_stride_and_cos_sin_of_other_layouts(device, in_place):
     """The kernel reads head_dim at unit stride and sin with cos's strides: q and k whose
     head_dim is strided, a gradient laid out the same way, and cos/sin of different layouts
@@ -210,6 +232,8 @@ def test_bad_shapes_raise_usage_errors():
     with pytest.raises(UsageError, match="even head_dim"):
         rope(q, k, torch.randn(1, 3, 7), torch.randn(1, 3, 7))
     q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(UsageError, match="head_dim / 2"):
+        rope(q, k, torch.randn(1, 3, 6), torch.randn(1, 3, 6))
     with pytest.raises(UsageError, match="unsqueeze_dim"):
         rope(q, k, torch.randn(1, 3, 8), torch.randn(1, 3, 8), unsqueeze_dim=3)
 

@@ -41,10 +41,10 @@ def shrink(
 ) -> dict:
     """The catalog config at the given sizes (default TINY); options that depend on the size
     follow it: token ids inside the vocabulary, a sliding window shorter than the test
-    sequences (so it matters), alternating sliding/full layers for Gemma 2/3/4, OLMo 3 and
-    EXAONE 4 (whose full layers apply no RoPE), Gemma 4's full layers of their own head dim and
-    one KV head, layers with and without RoPE for SmolLM3, fewer experts (in two groups where the
-    router picks groups first), Ministral 3's query factor past the fourth position.
+    sequences (so it matters), alternating sliding/full layers for Gemma 2/3/4, OLMo 3, EXAONE 4
+    (whose full layers apply no RoPE) and gpt-oss, Gemma 4's full layers of their own head dim
+    and one KV head, layers with and without RoPE for SmolLM3, fewer experts (in two groups where
+    the router picks groups first), Ministral 3's query factor past the fourth position.
     Without `dropout` the family's dropouts are off, so that two models of it compute the same
     in training whatever random numbers each draws."""
     sizes = TINY if sizes is None else sizes
@@ -60,7 +60,8 @@ def shrink(
         config["sliding_window"] = window
     if "query_pre_attn_scalar" in config:
         config["query_pre_attn_scalar"] = config["head_dim"]
-    if config["model_type"] in ("gemma2", "gemma3_text", "olmo3", "exaone4", "gemma4_text"):
+    families = ("gemma2", "gemma3_text", "olmo3", "exaone4", "gemma4_text", "gpt_oss")
+    if config["model_type"] in families:
         kinds = ("sliding_attention", "full_attention")
         config["layer_types"] = [kinds[i % 2] for i in range(config["num_hidden_layers"])]
     if "global_head_dim" in config:  # gemma4: full layers of twice the head dim, one KV head
@@ -70,7 +71,7 @@ def shrink(
         layers = overrides.get("num_hidden_layers", config["num_hidden_layers"])
         config["no_rope_layers"] = [int(i % 2 == 0) for i in range(layers)]
         config.pop("layer_types", None)
-    if "num_local_experts" in config:  # mixtral
+    if "num_local_experts" in config:  # mixtral, gpt_oss
         config["num_local_experts"] = experts
     if "num_experts" in config:  # qwen3_moe; its last layer dense, so that MLP takes the GLU
         last = config["num_hidden_layers"] - 1
