@@ -49,6 +49,8 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
     # under LoRA
     ("glm-4.5-air", 2, 4, LORA),
     ("gemma-4-31b", 4, 2, CHECKPOINTING),
+    # two MoE layers with sinks: 32 experts of 2880 with biases, frozen under LoRA
+    ("gpt-oss-20b", 2, 4, LORA),
 ]
 
 

@@ -566,6 +566,32 @@ def test_qwen3_moe_with_dense_layers_is_refused():
         spec_from_config(config)
 
 
+def test_gpt_oss_with_attention_dropout_is_refused():
+    """Dropout beside the sink column is not modelled: one MemplanError naming the value."""
+    config = dict(RAW["gpt-oss-20b"]["config"])
+    assert spec_from_config({**config, "attention_dropout": 0}).attention_sinks
+    with pytest.raises(MemplanError) as error:
+        spec_from_config({**config, "attention_dropout": 0.1})
+    assert "attention_dropout 0.1" in _one_line(error) and "gpt_oss" in _one_line(error)
+
+
+def test_gpt_oss_configs_read_as_published():
+    """gpt-oss-20b and -120b differ only in layers and experts; every other layer slides over
+    128 positions; cos/sin are half a head wide; the config's swiglu_limit is the experts' own
+    constant (transformers reads it not)."""
+    small, large = ENTRIES["gpt-oss-20b"].spec, ENTRIES["gpt-oss-120b"].spec
+    assert (small.num_hidden_layers, small.num_experts) == (24, 32)
+    assert (large.num_hidden_layers, large.num_experts) == (36, 128)
+    for spec in (small, large):
+        assert spec.sliding_window == 128 and spec.num_experts_per_tok == 4
+        assert spec.layer_types == ("sliding_attention", "full_attention") * (
+            spec.num_hidden_layers // 2
+        )
+        assert spec.rope_half_tables and spec.attention_sinks
+        assert spec.attention_bias and spec.attention_out_bias
+        assert spec.moe_intermediate_size == spec.intermediate_size == 2880
+
+
 def test_multimodal_gemma3_config_resolves_to_its_text_config(tmp_path):
     # google/gemma-3-4b-pt's config.json as published (vision_config abridged).
     published = {

@@ -69,6 +69,13 @@ def test_gemma2_runs_eager_where_the_release_refuses_sdpa() -> None:
     assert as_run_by("gemma2", setup, "5.24.0").transformers == "5.24.0"
 
 
+def test_gpt_oss_runs_eager_on_every_release() -> None:
+    """GptOssForCausalLM refuses SDPA (no SDPA path takes its sinks): eager on every release."""
+    setup = TrainSetup(batch=1, seq=1024)
+    assert as_run_by("gpt_oss", setup, "5.17.0").attn == "eager"
+    assert as_run_by("gpt_oss", setup, "5.24.0").attn == "eager"
+
+
 def test_advise_predicts_what_the_named_release_runs() -> None:
     old = advise("gemma-2-2b", 1, 2048, kernels="none", transformers="5.20.2")
     new = advise("gemma-2-2b", 1, 2048, kernels="none", transformers="5.24.0")

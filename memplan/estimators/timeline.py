@@ -416,6 +416,10 @@ class StepSizes:
     # gpt-oss's experts: their backward's peak less what the layer saved after attention (the
     # MLP mark then frees those first and holds this beside them); None: the MLP rule above.
     clamped_moe_bwd_delta: int | None
+    # gpt-oss: the peak inside a layer's forward beyond its saved tensors, in the forward (with
+    # the layer's input alive in the caller) and in a checkpointed layer's recomputation.
+    layer_fwd_peak_delta: int | None
+    recomputed_peak_delta: int | None
     attention_bwd_transient: list[list[int]]  # per layer
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
@@ -527,6 +531,12 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         ],
         clamped_moe_bwd_delta=clamped_moe_backward_delta(spec, setup, dtypes, weights.param)
         if spec.num_experts and moe_rules(spec).clamped_glu
+        else None,
+        layer_fwd_peak_delta=sink_layer_forward_peak(spec, setup, dtypes, backend, False)
+        if spec.attention_sinks and setup.attn == "eager"
+        else None,
+        recomputed_peak_delta=sink_layer_forward_peak(spec, setup, dtypes, backend, True)
+        if spec.attention_sinks and setup.attn == "eager"
         else None,
         # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
         # gradients where attention materializes scores.
@@ -699,6 +709,48 @@ def attention_scores_backward_bytes(
     if setup.attn == "eager" and dtypes.proj != FP32:
         per_score -= dtypes.proj
     return spec.num_attention_heads * setup.seq * per_score
+
+
+def sink_layer_forward_peak(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str, recomputed: bool
+) -> int:
+    """gpt-oss: the peak inside one layer's forward less what the layer saves (traced step), the
+    higher of (a) the sink attention's subtraction of the row max: the masked scores, their
+    concatenation with the sinks and the difference alive, (seq + 1)-wide, before the softmax
+    output, o_proj's input and everything after attention are saved, and (b) the clamped gate:
+    the gathered gate_up biases and the clamped up alive, the down output and the inverse
+    permutation not yet saved. Residual-stream tensors alive: the layer's input (in the caller;
+    the checkpoint holds it when `recomputed`) and, in the MoE, the sum after attention. Under
+    autocast q, the repeated k and v also live in fp32 (RoPE's, the KV cache's) beside their
+    saved casts; without the KV cache the unrepeated k and v are the attention's own."""
+    nh, kv, hd, seq = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, setup.seq
+    h, p, p_logits = spec.hidden_size, dtypes.proj, dtypes.residual
+    tokens = setup.batch * seq
+    ctx = layer_contexts(spec, setup, dtypes, backend)[-1]
+    saved = layer_saved(ctx)
+    residual = tokens * h * dtypes.residual
+    later = saved.bytes_of(tokens, ("attn.probs", "attn.out") + AFTER_ATTENTION)
+    if dtypes.autocast:  # o_proj's and the router's weight copies are made after the scores
+        later += p * h * (nh * hd + spec.num_experts)
+    scores = tokens * nh * p_logits * (seq + 2 * (seq + 1) + 1)
+    cached = not set(setup.kernels) & {"flce", "cross_entropy"} and not recomputed
+    cached = cached and spec.use_cache and not setup.grad_checkpointing
+    locals_ = 0
+    if dtypes.autocast:
+        v_bytes = values_bytes(spec, setup, dtypes, ctx)
+        k_bytes = dtypes.residual if ctx.keys_in_residual_dtype else p
+        locals_ += tokens * nh * hd * (k_bytes * 2 + v_bytes) if k_bytes != p else 0
+    if not cached:
+        locals_ += tokens * kv * hd * 2 * p
+    attention = scores - later + locals_ + (0 if recomputed else residual)
+    k, inter, p_e = spec.num_experts_per_tok, spec.moe_intermediate_size, dtypes.param
+    biases = 2 * inter if moe_rules(spec).expert_biases else 0
+    rows = tokens * k
+    moe = rows * ((biases + inter) * p_e + 4 - h * p_e - INT64)
+    if not ctx.trainable_base:  # alive though frozen experts and router save them not
+        moe += rows * ((inter + h) * p_e + INT64) + tokens * h * p
+    moe += residual * (1 if recomputed else 2)
+    return max(attention, moe)
 
 
 def clamped_moe_backward_delta(
@@ -977,6 +1029,8 @@ def walk_step(
         else:
             kept_before = builder.alloc_all("activations", before)
             layer_kept.append((kept_before, builder.alloc_all("activations", after)))
+            if sizes.layer_fwd_peak_delta is not None:
+                builder.mark("forward", f"layer {index}", [sizes.layer_fwd_peak_delta])
         layout.forward_exit(builder, f"layer {index}")
     layout.forward_enter(builder, "tail")
     final_norm = builder.alloc("activations", saved.final_norm)
@@ -1107,6 +1161,8 @@ def walk_step(
                 builder.alloc_all("transient", recomputed_before),
                 builder.alloc_all("transient", recomputed_after),
             )
+            if sizes.recomputed_peak_delta is not None:
+                builder.mark("backward", label, [sizes.recomputed_peak_delta])
         # The MLP's backward runs first, writing its weights' gradients among its temporaries;
         # by attention's, what the layer saved after attention is freed.
         kept_before, kept_after = layer_kept[index]
@@ -1115,12 +1171,12 @@ def walk_step(
             ("attention", gradients.attention, sizes.attention_bwd_transient[index], kept_before),
         ):
             builder.at("backward", label)
-            clamped = sizes.clamped_moe_bwd_delta is not None and spec.moe_layer(index)
-            if part == "mlp" and clamped:
+            delta = sizes.clamped_moe_bwd_delta
+            if part == "mlp" and delta is not None and spec.moe_layer(index):
                 kept_bytes = sum(builder.size_of(t)[0] for t in kept)
                 builder.free_all(kept)
                 kept = []
-                transient = [max(0, kept_bytes + sizes.clamped_moe_bwd_delta)]
+                transient = [max(0, kept_bytes + delta)]
             held = builder.alloc_all("transient", transient)
             keep_gradients(f"layer {index}", part, *nbytes)
             builder.mark("backward", label)

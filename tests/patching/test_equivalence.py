@@ -177,6 +177,20 @@ def test_gemma4_patched_attention_keeps_v_norm_and_values_from_keys(k_eq_v):
     lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
 
 
+def test_gpt_oss_rotates_every_layer_with_half_tables_and_passes_its_sinks(monkeypatch):
+    """gpt-oss: cos/sin one value per rotated pair, the RoPE kernel in both layers; the patched
+    attention hands the module's sinks to its eager attention, which HF's forward reads from the
+    module (sinks of one layer changed change the loss of both forwards alike)."""
+    calls = rope_calls(monkeypatch)
+    reference, patched = pair("gpt_oss")
+    assert "rope" in mp.apply(patched).kernels
+    with torch.no_grad():
+        for model in (reference, patched):
+            model.model.layers[1].self_attn.sinks.add_(3.0)
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize(
     "loss_kernel", ["flce", pytest.param("cross_entropy", marks=pytest.mark.slow)]
 )

@@ -63,7 +63,8 @@ def shrink(
     families = ("gemma2", "gemma3_text", "olmo3", "exaone4", "gemma4_text", "gpt_oss")
     if config["model_type"] in families:
         kinds = ("sliding_attention", "full_attention")
-        config["layer_types"] = [kinds[i % 2] for i in range(config["num_hidden_layers"])]
+        layers = overrides.get("num_hidden_layers", config["num_hidden_layers"])
+        config["layer_types"] = [kinds[i % 2] for i in range(layers)]
     if "global_head_dim" in config:  # gemma4: full layers of twice the head dim, one KV head
         config.update(global_head_dim=2 * config["head_dim"], num_global_key_value_heads=1)
     if "no_rope_layers" in config:  # smollm3: RoPE in even layers only; its config derives

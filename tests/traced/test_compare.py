@@ -54,6 +54,8 @@ VARIANTS = {
     "glm4_moe": {"precision": "amp-bf16"},
     # the last layer of each type keeps k, v and, recomputed, their graph in shared_kv_states
     "gemma4_text": {"grad_checkpointing": True},
+    # the sink attention's fp32 logits and backward under autocast, the experts in fp32
+    "gpt_oss": {"precision": "amp-bf16"},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
@@ -61,7 +63,8 @@ VARIANTS = {
 # smollm3's windows on its layers without RoPE, and their KV cache (k in bf16 there); granite's
 # divided logits under autocast; exaone4's NoPE full layers under checkpointing (and amp), LoRA
 # and without a window; glm4_moe's dense and MoE layers recomputed (with q/k norms), its frozen
-# fp32 router under LoRA; gemma4's global layers and kept k/v.
+# fp32 router under LoRA; gemma4's global layers and kept k/v; gpt-oss's sinks in fp32, under LoRA
+# and checkpointing.
 EXTRA_VARIANTS = [
     # fp32 eager: softmax backward's three fp32 score-sized tensors
     ("llama", {}, {"attn": "eager", "precision": "fp32"}),
@@ -106,6 +109,12 @@ EXTRA_VARIANTS = [
     ("gemma4_text", {"global_head_dim": 512}, {}),
     ("seed_oss", {}, {"lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
     ("seed_oss", {}, {"grad_checkpointing": True}),
+    # gpt-oss: fp32 sinks, LoRA (frozen experts keep fewer tensors), the recomputed layer's
+    # forward peak (the clamped gate's product) under checkpointing
+    ("gpt_oss", {}, {"precision": "fp32"}),
+    ("gpt_oss", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj")}),
+    ("gpt_oss", {}, {"grad_checkpointing": True}),
+    ("gpt_oss", {}, {"grad_checkpointing": True, "precision": "amp-bf16"}),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 512, "use_cache": True}, {}),
     (
         "smollm3",
@@ -135,7 +144,22 @@ def cases() -> list:
     for index, (family, overrides, options) in enumerate(EXTRA_VARIANTS):
         case_id = f"{family}-extra{index}"
         out.append(pytest.param(family, overrides, options, id=case_id, marks=pytest.mark.slow))
+    for index, (family, options) in enumerate(CHECKPOINTED_GAPS):
+        reason = "a checkpointed layer's recomputation peak the contracts miss (docs/accuracy.md)"
+        marks = (pytest.mark.slow, pytest.mark.xfail(strict=True, reason=reason))
+        out.append(pytest.param(family, {}, options, id=f"{family}-gap{index}", marks=marks))
     return out
+
+
+# gpt-oss under gradient checkpointing beyond bf16: the recomputation's peak differs from the
+# contracts' by more than 1% (fp32 over, LoRA under). Strict: a fix shows.
+CHECKPOINTED_GAPS = [
+    ("gpt_oss", {"grad_checkpointing": True, "precision": "fp32"}),
+    (
+        "gpt_oss",
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+]
 
 
 @pytest.mark.parametrize("family,overrides,options", cases())
