@@ -719,7 +719,9 @@ def sink_layer_forward_peak(
     concatenation with the sinks and the difference alive, (seq + 1)-wide, before the softmax
     output, o_proj's input and everything after attention are saved, and (b) the clamped gate:
     the gathered gate_up biases and the clamped up alive, the down output and the inverse
-    permutation not yet saved. Residual-stream tensors alive: the layer's input (in the caller;
+    permutation not yet saved (under LoRA also the block's input, the gathered rows, their
+    expert ids and the gate's product, which frozen weights do not save). Residual-stream
+    tensors alive: the layer's input (in the caller;
     the checkpoint holds it when `recomputed`) and, in the MoE, the sum after attention. Under
     autocast q, the repeated k and v also live in fp32 (RoPE's, the KV cache's) beside their
     saved casts; without the KV cache the unrepeated k and v are the attention's own."""
