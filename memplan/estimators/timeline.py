@@ -131,8 +131,9 @@ class ForwardSaved:
     embedding: int
     shared: int  # rotary cos/sin, shared by every layer
     loss: int
-    # Attention masks the checkpointed layers keep as inputs for their recomputation.
-    checkpoint_masks: list[int] = field(default_factory=list)
+    # Attention masks the checkpointed layers keep as inputs for their recomputation: (bytes,
+    # the layer whose backward releases it, the lowest that reads it).
+    checkpoint_masks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -215,7 +216,9 @@ def forward_saved(
         embedding=embedding,
         shared=shared,
         loss=blocks(loss_saved_bytes(spec, setup, dtypes)),
-        checkpoint_masks=[blocks(n) for n in checkpointed_masks(setup, dtypes, contexts)],
+        checkpoint_masks=[
+            (blocks(n), layer) for n, layer in checkpointed_masks(setup, dtypes, contexts)
+        ],
     )
 
 
@@ -244,18 +247,22 @@ def rope_tables_kept(spec: ModelSpec, contexts: list[LayerContext]) -> list[int]
 
 def checkpointed_masks(
     setup: TrainSetup, dtypes: DtypePlan, contexts: list[LayerContext]
-) -> list[int]:
+) -> list[tuple[int, int]]:
     """The attention masks checkpointed layers keep (as inputs of their recomputation) from the
     forward to their backward: SDPA's (seq x seq) bool mask, expanded over the batch, for the
     sliding layers once the sequence reaches the window (causal layers pass none); eager
-    attention's additive (batch x seq x seq) mask in the residual dtype, one per layer type."""
+    attention's additive (batch x seq x seq) mask in the residual dtype, one per layer type.
+    Each with the lowest layer that reads it: its checkpoint releases the mask last."""
     if not setup.grad_checkpointing:
         return []
     seq = setup.seq
     if setup.attn == "eager":
-        kinds = {ctx.sliding for ctx in contexts}
-        return [setup.batch * seq * seq * dtypes.residual for _ in kinds]
-    return [seq * seq] if any(attention_masked(ctx) for ctx in contexts) else []
+        first: dict[bool, int] = {}
+        for index, ctx in enumerate(contexts):
+            first.setdefault(ctx.sliding, index)
+        return [(setup.batch * seq * seq * dtypes.residual, index) for index in first.values()]
+    masked = [index for index, ctx in enumerate(contexts) if attention_masked(ctx)]
+    return [(seq * seq, masked[0])] if masked else []
 
 
 def loss_saved_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> int:
@@ -721,10 +728,11 @@ def sink_layer_forward_peak(
     the gathered gate_up biases and the clamped up alive, the down output and the inverse
     permutation not yet saved (under LoRA also the block's input, the gathered rows, their
     expert ids and the gate's product, which frozen weights do not save). Residual-stream
-    tensors alive: the layer's input (in the caller;
-    the checkpoint holds it when `recomputed`) and, in the MoE, the sum after attention. Under
-    autocast q, the repeated k and v also live in fp32 (RoPE's, the KV cache's) beside their
-    saved casts; without the KV cache the unrepeated k and v are the attention's own."""
+    tensors alive: the layer's input (in the caller; the checkpoint holds it when `recomputed`)
+    and, in the MoE, the sum after attention. Under autocast q, the repeated k and v also live
+    in fp32 (RoPE's, the KV cache's) beside their saved casts; without the KV cache the
+    unrepeated k and v are the attention's own. A recomputation runs beside the layer output's
+    gradient expanded over the k routed rows, which autograd has copied by then."""
     nh, kv, hd, seq = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, setup.seq
     h, p, p_logits = spec.hidden_size, dtypes.proj, dtypes.residual
     tokens = setup.batch * seq
@@ -752,7 +760,8 @@ def sink_layer_forward_peak(
     if not ctx.trainable_base:  # alive though frozen experts and router save them not
         moe += rows * ((inter + h) * p_e + INT64) + tokens * h * p
     moe += residual * (1 if recomputed else 2)
-    return max(attention, moe)
+    expanded_gradient = rows * h * dtypes.residual if recomputed else 0
+    return max(attention, moe) + expanded_gradient
 
 
 def clamped_moe_backward_delta(
@@ -784,18 +793,20 @@ def clamped_moe_backward_delta(
 def sink_attention_backward_held(
     spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str
 ) -> list[int]:
-    """What gpt-oss's eager attention backward holds at its peak, the row max's backward, beyond
-    what the attention mark counts (the layer's saved tensors before attention, every gradient
-    of the attention part): the max's zeros and their scatter beside the softmax's gradient,
-    three (seq + 1)-wide tensors in the logits' dtype (the residual stream's), the max
-    gradient's sum, and the repeated v's gradient in v's dtype where that is not the saved v's
-    (autocast's cast of the KV cache's fp32 values); less what is gone or not yet made by then:
-    the saved softmax output (one of the three), the probabilities' cast and o_proj's weight copy
-    (autocast), o_proj's input and, on one GPU, the gradients q, k, v and the sinks get after
-    it."""
+    """What gpt-oss's eager attention backward holds at its peak, the softmax's backward, beyond
+    what the attention mark counts (the layer's saved tensors before attention, the softmax
+    output among them, every gradient of the attention part): three (seq + 1)-wide tensors in
+    the logits' dtype (the residual stream's), the softmax's input gradient (the sliced-off sink
+    column padded back with zeros), the d(logits) it writes and grad * output, which CUDA's
+    kernel forms beside it (tracker.softmax_backward_scratch_bytes), and the repeated v's
+    gradient in v's dtype where that is not the saved v's (autocast's cast of the KV cache's
+    fp32 values); less what is gone or not yet made by then: the probabilities' cast and
+    o_proj's weight copy (autocast), o_proj's input and, on one GPU, the gradients q, k, v and
+    the sinks get after it. The row max's backward after it holds less: its zeros, their
+    scatter and the max gradient's sum, the input gradient and the softmax output freed."""
     nh, hd, seq, p = spec.num_attention_heads, spec.head_dim, setup.seq, dtypes.proj
     p_logits = dtypes.residual
-    per_token = nh * (2 * (seq + 1) * p_logits + p_logits)
+    per_token = nh * 3 * (seq + 1) * p_logits
     ctx = layer_contexts(spec, setup, dtypes, backend)[-1]
     if p_logits != p:
         per_token -= nh * seq * p
@@ -1001,9 +1012,8 @@ def walk_step(
     # by the model output until forward returns; memory of its own where attention saves others.
     cached = hf_loss and not ckpt and spec.use_cache
     layout.forward_enter(builder, "tail" if tied else "embedding")
-    forward_kept = builder.alloc_all(
-        "activations", (saved.shared, saved.embedding, *saved.checkpoint_masks)
-    )
+    forward_kept = builder.alloc_all("activations", (saved.shared, saved.embedding))
+    masks = [(builder.alloc("activations", n), layer) for n, layer in saved.checkpoint_masks]
     # peft's leaf under checkpointed LoRA is the embedding's output; where the model multiplies
     # that output, the leaf is a tensor of its own beside layer 0's input, from here on.
     leaf = None
@@ -1186,6 +1196,7 @@ def walk_step(
             builder.free_all(kept)
         keep_gradients(f"layer {index}", "norms", *gradients.norms)
         builder.free_all(checkpoint_input)
+        builder.free_all([mask for mask, layer in masks if layer == index])
         if ckpt:  # shared_kv_states holds what the recomputation saved on the path of k and v
             kept = sizes.kept_kv[index]
             recomputed_kv += builder.alloc_all("activations", kept.saved + kept.graph)
