@@ -1,7 +1,8 @@
 """Rank 0's memory under FSDP2 and DDP, measured on one GPU (docs/distributed.md): 30 cases of
 world sizes 2 to 64, with and without resharding after forward, bf16 and amp, kernels off and
-the advisor's plan, checkpointing, accumulation, a dense, a tied and an MoE family; and the
-mission's gemma-7b batch 8 x 4096 at the FSDP2 count advise gives and one fewer.
+the advisor's plan, checkpointing, accumulation, a dense, a tied and an MoE family; the
+mission's gemma-7b batch 8 x 4096 at the FSDP2 count advise gives and one fewer; and 5 cases of
+DeepSpeed ZeRO 1-3 on 2 GPUs, which run as torchrun processes only (--ranks torchrun).
 
     python benchmarks/measure_distributed.py predict --gpu h100 --out PREDICTIONS.json
     python benchmarks/measure_distributed.py measure PREDICTIONS.json --out-dir DIR [--only RE]
@@ -11,7 +12,8 @@ mission's gemma-7b batch 8 x 4096 at the FSDP2 count advise gives and one fewer.
 `predict` needs no GPU: it writes every case with rank 0's allocated peak, step-1 peak and
 verdict predicted for the catalog GPU, before anything is measured (the first predictions).
 `measure` runs each in a fresh process (`memplan verify`'s child: FSDP2 over a fake process
-group of N ranks, DDP over one real rank; with --ranks torchrun, one process per GPU) and
+group of N ranks, DDP over one real rank; with --ranks torchrun, one process per GPU, which
+ZeRO needs: with other ranks, --only must leave the zero cases out) and
 writes DIR/distributed_results.json after every case. `table` prints the first predictions
 against the measurements, as markdown."""
 
@@ -160,6 +162,12 @@ CASES: list[tuple[str, int | None, str, dict[str, Any]]] = [
         {"batch": 8, "strategy": "fsdp2", "gpus": 8, "grad_checkpointing": True},
     ),
     ("gemma-2b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 2, "grad_accum": 2}),
+    # DeepSpeed ZeRO through accelerate: real ranks only (measure --ranks torchrun --only zero)
+    ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "zero1", "gpus": 2}),
+    ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "zero2", "gpus": 2}),
+    ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "zero3", "gpus": 2}),
+    ("llama-3.2-1b", None, "auto", {"batch": 4, "strategy": "zero2", "gpus": 2}),
+    ("llama-3.2-1b", None, "auto", {"batch": 4, "strategy": "zero3", "gpus": 2}),
 ]
 SEQ = 2048
 

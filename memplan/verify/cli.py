@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import click
 from memplan.errors import MemplanError, UsageError, positive_int
 from memplan.schema import Measurement, Report
 from memplan.verify import protocol
+from memplan.verify.distributed import MEASURED_STRATEGIES, TORCHRUN_STRATEGIES
 from memplan.verify.runner import RANKS, with_ranks
 
 
@@ -137,10 +139,16 @@ def _profile_tables(m: Measurement, top: int = 10) -> list[Any]:
     "--gpus",
     default="1",
     show_default=True,
-    help="ranks of data parallelism; rank 0 is measured on this one GPU (FSDP2 over a fake "
-    "process group of that many ranks, DDP over one rank: its memory is any rank's)",
+    help="ranks of data parallelism; rank 0 is measured, on this one GPU without --ranks "
+    "torchrun (FSDP2 over a fake process group of that many ranks, DDP over one rank: its memory "
+    "is any rank's)",
 )
-@click.option("--strategy", type=click.Choice(["ddp", "fsdp2"]), help="needed with --gpus > 1")
+@click.option(
+    "--strategy",
+    type=click.Choice([*MEASURED_STRATEGIES, *TORCHRUN_STRATEGIES]),
+    help="needed with --gpus > 1; DeepSpeed ZeRO (zero1/2/3, through accelerate) runs one "
+    "torchrun process per GPU only",
+)
 @click.option(
     "--ranks",
     type=click.Choice(RANKS),
@@ -233,7 +241,12 @@ def _parallelism(opts: dict[str, Any]) -> dict[str, Any]:
     """The setup options of --gpus, --strategy and --no-reshard-after-forward, checked."""
     gpus = positive_int("--gpus", opts["gpus"])
     if gpus is not None and gpus > 1 and opts["strategy"] is None:
-        raise UsageError(f"--gpus {gpus} needs --strategy ddp or fsdp2")
+        raise UsageError(f"--gpus {gpus} needs --strategy ddp, fsdp2 or zero1/2/3")
+    if opts["strategy"] in TORCHRUN_STRATEGIES and importlib.util.find_spec("deepspeed") is None:
+        raise MemplanError(
+            f"--strategy {opts['strategy']} needs DeepSpeed, which this Python cannot import "
+            "(pip install deepspeed)"
+        )
     if not opts["reshard_after_forward"] and opts["strategy"] != "fsdp2":
         raise UsageError("--no-reshard-after-forward is an FSDP2 setting: add --strategy fsdp2")
     options: dict[str, Any] = {"gpus": gpus or 1, "strategy": opts["strategy"]}

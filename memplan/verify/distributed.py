@@ -8,7 +8,8 @@ FSDP2 asks for is really allocated, so rank 0's memory is that of a real rank 0;
 a real one-rank group (under the fake group its reducer fails in backward), its buckets holding
 every gradient on any number of ranks. FSDP2 models are sharded by accelerate's own
 fsdp2_prepare_model with cpu_ram_efficient_loading: rank 0 holds the model on the CPU and
-every rank takes its shards."""
+every rank takes its shards. DeepSpeed ZeRO 1-3 runs over real ranks only (its engine does its
+collectives itself), configured as memplan.estimators.zero models it."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import os
 from types import MethodType, SimpleNamespace
 from typing import Any
 
-from memplan.accelerate_config import ACCELERATE_MIXED_PRECISION
+from memplan.accelerate_config import ACCELERATE_MIXED_PRECISION, DEEPSPEED_MIXED_PRECISION
 from memplan.errors import MemplanError
 from memplan.schema import TrainSetup
 
 MEASURED_STRATEGIES = ("ddp", "fsdp2")
+# measured only as one torchrun process per GPU (a fake process group cannot run DeepSpeed)
+TORCHRUN_STRATEGIES = ("zero1", "zero2", "zero3")
 
 
 def prepares_from_cpu(setup: TrainSetup) -> bool:
@@ -57,17 +60,18 @@ def select_device(device: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def is_zero(setup: TrainSetup) -> bool:
+    """Whether the setup's ranks run DeepSpeed ZeRO (prepared with its optimizer: prepare_zero)."""
+    return setup.strategy in TORCHRUN_STRATEGIES
+
+
 def init_process_group(setup: TrainSetup, device: str) -> None:
     import torch.distributed as dist
 
-    if setup.strategy not in MEASURED_STRATEGIES:
-        raise MemplanError(
-            f"memplan verify measures {' and '.join(MEASURED_STRATEGIES)}; "
-            f"{setup.strategy} is predicted only"
-        )
+    world = launched_ranks()
+    check_measured(setup, real_ranks=world is not None)
     if dist.is_initialized():
         return
-    world = launched_ranks()
     if world is not None:
         if world != setup.gpus:
             raise MemplanError(f"torchrun started {world} ranks for a case of {setup.gpus} GPUs")
@@ -80,6 +84,18 @@ def init_process_group(setup: TrainSetup, device: str) -> None:
     else:
         backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def check_measured(setup: TrainSetup, real_ranks: bool) -> None:
+    """Refuses a strategy verify cannot measure with the ranks it has, in one line."""
+    if setup.strategy in TORCHRUN_STRATEGIES and not real_ranks:
+        raise MemplanError(
+            f"{setup.strategy} is measured over real ranks only: --ranks torchrun on a machine "
+            f"with {setup.gpus} GPUs"
+        )
+    if setup.strategy not in (*MEASURED_STRATEGIES, *TORCHRUN_STRATEGIES):
+        measured = ", ".join(MEASURED_STRATEGIES + TORCHRUN_STRATEGIES)
+        raise MemplanError(f"memplan verify measures {measured}; {setup.strategy} is not one")
 
 
 def destroy_process_group() -> None:
@@ -143,3 +159,54 @@ def _autocast_forward(model: Any, mixed: str, device: str) -> Any:
     forward = torch.autocast(device_type=device, dtype=dtype)(model.forward.__func__)
     model.forward = MethodType(convert_outputs_to_fp32(forward), model)
     return model
+
+
+def deepspeed_config(setup: TrainSetup, hidden_size: int) -> dict[str, Any]:
+    """The DeepSpeed config accelerate gives ZeRO with the Hugging Face "auto" sizes filled from
+    the model's hidden size (Accelerator._prepare_deepspeed), as memplan.estimators.zero models
+    it: bf16 mode unless the setup is fp32, no offload, DeepSpeed's defaults elsewhere
+    (overlap_comm on for stage 3 only, stage3_max_reuse_distance 1e9)."""
+    if setup.cpu_offload:
+        raise MemplanError(f"{setup.strategy} with CPU offload is predicted only (not modelled)")
+    mixed = DEEPSPEED_MIXED_PRECISION[setup.precision]
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": setup.batch,
+        "train_batch_size": setup.batch * setup.grad_accum * setup.gpus,
+        "gradient_accumulation_steps": setup.grad_accum,
+        "zero_optimization": {
+            "stage": int(str(setup.strategy)[-1]),
+            "offload_optimizer": {"device": "none"},
+            "offload_param": {"device": "none"},
+            "reduce_bucket_size": hidden_size * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+        },
+        # accelerate sets it for an optimizer made in the code (the protocol's)
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": mixed == "bf16"},
+        # accelerate's fp16 section (DeepSpeedPlugin.set_mixed_precision)
+        "fp16": {"enabled": True, "auto_cast": True} if mixed == "fp16" else {"enabled": False},
+    }
+    return config
+
+
+def prepare_zero(model: Any, optimizer: Any, setup: TrainSetup) -> Any:
+    """DeepSpeed's engine for the model and its optimizer, made by accelerate's prepare; the
+    engine steps its own optimizer (engine.step), as accelerate's backward does."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as exc:
+        raise MemplanError(f"{setup.strategy} needs DeepSpeed: {exc}") from exc
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(
+        hf_ds_config=deepspeed_config(setup, model.config.hidden_size),
+        gradient_accumulation_steps=setup.grad_accum,
+        zero3_init_flag=False,  # the child builds the model whole; the engine partitions it
+    )
+    accelerator = Accelerator(
+        mixed_precision=DEEPSPEED_MIXED_PRECISION[setup.precision], deepspeed_plugin=plugin
+    )
+    engine, _ = accelerator.prepare(model, optimizer)
+    return engine

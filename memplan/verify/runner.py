@@ -15,6 +15,7 @@ from pathlib import Path
 from memplan.errors import MemplanError, UsageError
 from memplan.schema import Gpu, Measurement, ModelSpec, ProfileTable, VerifyCase
 from memplan.verify import protocol
+from memplan.verify.distributed import TORCHRUN_STRATEGIES
 from memplan.verify.predict import attach_prediction
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -94,13 +95,18 @@ def with_ranks(
     case: VerifyCase, ranks: str, gpus_here: Callable[[], int] = visible_gpus
 ) -> VerifyCase:
     """The case with its ranks run as `ranks` says ("auto": torchrun where this machine has a
-    GPU per rank); a torchrun case's name ends in _torchrun."""
+    GPU per rank; DeepSpeed ZeRO always, even on one GPU); a torchrun case's name ends in
+    _torchrun."""
     if ranks not in RANKS:
         raise UsageError(f"--ranks must be one of {', '.join(RANKS)}, not {ranks!r}")
-    if case.setup.strategy is None or case.setup.gpus == 1 or ranks == "simulated":
+    zero = case.setup.strategy in TORCHRUN_STRATEGIES
+    if zero and ranks == "simulated":
+        strategy = case.setup.strategy
+        raise UsageError(f"{strategy} is measured over real ranks only: --ranks torchrun")
+    if not zero and (case.setup.strategy is None or case.setup.gpus == 1 or ranks == "simulated"):
         return case
     here = gpus_here()
-    if ranks == "auto" and here < case.setup.gpus:
+    if ranks == "auto" and here < case.setup.gpus and not zero:
         return case
     if here < case.setup.gpus:
         raise MemplanError(

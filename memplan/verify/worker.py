@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import memplan
-from memplan.schema import Measurement, ProfileOp, ProfileTable, VerifyCase
+from memplan.schema import Measurement, ProfileOp, ProfileTable, TrainSetup, VerifyCase
 from memplan.verify import distributed, protocol
 from memplan.verify.allocator_trace import downsample, events_from_trace, marker_sizes
 
@@ -181,7 +181,10 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
                 rec["applied"]["requested"] = list(setup.kernels)
                 rec["setup"] = setup.model_copy(update={"kernels": kernels})
         if setup.strategy is not None:
-            model = distributed.prepare(model, setup, DEVICE)
+            if not distributed.is_zero(setup):  # ZeRO is prepared with its optimizer (_Trainer)
+                model = distributed.prepare(model, setup, DEVICE)
+            else:
+                rec["env"]["deepspeed"] = _version("deepspeed")
             rec["env"]["accelerate"] = _version("accelerate")
             rec["env"]["world_size"] = str(setup.gpus)
             real = distributed.launched_ranks() is not None
@@ -192,9 +195,15 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
         raise _Failure(
             "build", f"preparing the model failed: {_one_line(exc)}", protocol.EXIT_BUILD
         ) from exc
-    torch.cuda.synchronize()
-    rec["after_model_bytes"] = torch.cuda.memory_allocated()
+    rec["after_model_bytes"] = _allocated()
     return model, vocab
+
+
+def _allocated() -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
 
 
 def _param_count(case: VerifyCase) -> int | None:
@@ -263,16 +272,50 @@ class _Trainer:
             raise _Failure(
                 "build", f"the optimizer failed to build: {_one_line(exc)}", protocol.EXIT_BUILD
             ) from exc
+        # DeepSpeed's engine: it casts the model, scales fp16 losses and steps the optimizer
+        self.engine = self._zero_engine(setup) if distributed.is_zero(setup) else None
         amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
+        if self.engine is not None:  # DeepSpeed's bf16/fp16 mode casts the model: no autocast
+            amp = None
         self.autocast = (lambda: torch.autocast(DEVICE, dtype=amp)) if amp else None
         # fp16 autocast needs loss scaling to train; its state is a few scalars
-        self.scaler = torch.amp.GradScaler(DEVICE) if setup.precision == "amp-fp16" else None
+        self.scaler = torch.amp.GradScaler(DEVICE) if amp == torch.float16 else None
         generator = torch.Generator(device=DEVICE).manual_seed(0)
         self.ids = torch.randint(
             0, vocab, (setup.batch, setup.seq), device=DEVICE, generator=generator
         )
         self.loss: Any = None
         self.optimizer_name = setup.optimizer
+
+    def _zero_engine(self, setup: TrainSetup) -> Any:
+        try:
+            self.model = distributed.prepare_zero(self.model, self.opt, setup)
+        except Exception as exc:
+            if _is_oom(exc):
+                raise
+            message = f"preparing the model failed: {_one_line(exc)}"
+            raise _Failure("build", message, protocol.EXIT_BUILD) from exc
+        return self.model
+
+    def _backward(self, loss: Any, last: bool) -> None:
+        if self.engine is not None:  # as accelerate's DeepSpeedEngineWrapper.backward
+            self.engine.set_gradient_accumulation_boundary(is_boundary=last)
+            self.engine.backward(loss)
+        elif self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def _optimizer_step(self) -> None:
+        """The optimizer's step; DeepSpeed's engine.step also zeroes the gradients, right after
+        the last backward as accelerate calls it."""
+        if self.engine is not None:
+            self.engine.step()
+        elif self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
 
     def skipped_every_step(self) -> bool:
         """True when the fp16 loss scaler found inf/NaN gradients at every step so far: the
@@ -300,22 +343,18 @@ class _Trainer:
                 self.loss = model(input_ids=ids, labels=ids).loss
             if mark:
                 mark("backward" + suffix)
-            loss = self.loss if self.accum == 1 else self.loss / self.accum
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-            else:
-                loss.backward()
+            # DeepSpeed's engine divides the loss by the accumulation steps itself
+            unscaled = self.accum == 1 or self.engine is not None
+            loss = self.loss if unscaled else self.loss / self.accum
+            self._backward(loss, micro == self.accum - 1)
             del loss
         if mark:
             mark("optimizer")
-        if self.scaler is not None:
-            self.scaler.step(opt)
-            self.scaler.update()
-        else:
-            opt.step()
+        self._optimizer_step()
         if mark:
             mark("zero_grad")
-        opt.zero_grad(set_to_none=True)
+        if self.engine is None:
+            opt.zero_grad(set_to_none=True)
         if mark:
             mark("end")
 
@@ -522,6 +561,8 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
             rec["oom_phase"] = "the optimizer or input setup"
             trainer = _Trainer(case, model, vocab)
             rec["n_trainable"] = trainer.n_trainable
+            if trainer.engine is not None:  # what the engine keeps of the model it partitioned
+                rec["after_model_bytes"] = _allocated()
             if case.mode == "profile":
                 _profile(case, trainer, rec)
             else:

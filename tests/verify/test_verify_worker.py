@@ -281,10 +281,13 @@ def test_strategies_run_as_accelerate_prepares_them(fake_cuda, setup):
         assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
-def test_zero_is_predicted_only(fake_cuda):
-    m, code = worker.run(make_case(strategy="zero2", gpus=2))
+def test_zero_is_measured_over_real_ranks_only(fake_cuda):
+    m, code = worker.run(make_case(strategy="zero2", gpus=2))  # no torchrun: simulated ranks
     assert code == protocol.EXIT_BUILD and m.error_kind == "build"
-    assert "ddp and fsdp2" in m.error
+    assert m.error == (
+        "MemplanError: zero2 is measured over real ranks only: --ranks torchrun on a machine "
+        "with 2 GPUs"
+    )
 
 
 @pytest.mark.parametrize(
