@@ -51,6 +51,8 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
     ("gemma-4-31b", 4, 2, CHECKPOINTING),
     # two MoE layers with sinks: 32 experts of 2880 with biases, frozen under LoRA
     ("gpt-oss-20b", 2, 4, LORA),
+    # one layer (2.2B parameters, 16 experts): the plan's peak in its MoE backward
+    ("llama-4-scout-17b-16e", 1, 4, LORA),
 ]
 
 

@@ -109,6 +109,17 @@ class ModelSpec(BaseModel):
     attn_logit_softcapping: float | None = None
     # Ministral 3: the queries times Llama 4's position-dependent factor after RoPE.
     llama4_query_scale: bool = False
+    # Llama 4: q and k rotated as fp32 complex numbers by one complex64 table (cos + i sin)
+    # per forward and cast back to their dtype; in the layers that rotate, L2-normalized after
+    # RoPE (no weight) where qk_l2_norm, and attending within chunks of attention_chunk_size
+    # positions through a mask; the queries of the others times a position-dependent
+    # temperature where nope_query_temperature. eager_softmax_fp32: eager attention's softmax
+    # in fp32 (Llama's), or in q's dtype (Llama 4's).
+    rope_complex: bool = False
+    qk_l2_norm: bool = False
+    nope_query_temperature: bool = False
+    attention_chunk_size: int | None = Field(default=None, gt=0)
+    eager_softmax_fp32: bool = True
     # Dropout probabilities in training: on the attention probabilities, and on the attention
     # and MLP outputs before their residual adds (seed_oss).
     attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -146,8 +157,12 @@ class ModelSpec(BaseModel):
     # The layers of a MoE model whose MLP is dense (intermediate_size wide), by index: GLM-4.5's
     # first_k_dense_replace leading layers.
     dense_layers: tuple[int, ...] = ()
+    # How tokens reach the experts (memplan.families.MoeRules.router).
+    moe_router: Literal["softmax", "topk_softmax", "sigmoid_fp32", "sigmoid_every_expert"] = (
+        "softmax"
+    )
     # The width of the shared experts' gated MLP beside the routed experts of each MoE layer
-    # (moe_intermediate_size x n_shared_experts); 0: none.
+    # (moe_intermediate_size x n_shared_experts; Llama 4's one shared expert); 0: none.
     shared_expert_intermediate_size: int = Field(default=0, ge=0)
     # A multimodal config (gemma3, mistral3) read for its text model: its model_type, and the
     # elements of each parameter of its vision tower and projector, in registration order

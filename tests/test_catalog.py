@@ -952,7 +952,7 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
             assert (getattr(built_attn, "v_proj", None) is None) == view.values_from_keys
             assert hasattr(built_attn, "v_norm") == spec.v_norm
 
-    mlp = layer.mlp
+    mlp = layer.feed_forward if spec.moe_router == "sigmoid_every_expert" else layer.mlp
     assert hasattr(mlp, "gate_up_proj") == spec.fused_gate_up
     acts = [m for name, m in layer.named_modules() if name.endswith(("act_fn", "activation_fn"))]
     # Gemma's "gelu" builds exact GELU up to transformers 5.22 and tanh GELU from 5.23 on (its
@@ -965,12 +965,20 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     else:
         assert acts and type(acts[0]) in expected
     assert hasattr(attn, "sinks") == spec.attention_sinks
-    sparse = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
-    assert sparse == [spec.moe_layer(i) for i in range(spec.num_hidden_layers)]
     tables = model.model.rotary_emb.named_buffers()
     angles = {b.numel() for name, b in tables if name.split(".")[-1].endswith("inv_freq")}
     assert angles == {layer.rotated_dim // 2 for layer in spec.layers()}  # Gemma 4: two widths
-    if spec.num_experts and any(sparse):
+    if spec.moe_router == "sigmoid_every_expert":  # Llama 4: (experts, hidden, 2 x width)
+        shape = (spec.num_experts, spec.hidden_size, 2 * spec.moe_intermediate_size)
+        assert tuple(mlp.experts.gate_up_proj.shape) == shape
+        assert mlp.shared_expert.up_proj.out_features == spec.shared_expert_intermediate_size
+        assert hf_config.num_experts_per_tok == spec.num_experts_per_tok
+        assert all(layer.is_moe_layer for layer in model.model.layers)
+        sparse = [True] * spec.num_hidden_layers
+    else:
+        sparse = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
+    assert sparse == [spec.moe_layer(i) for i in range(spec.num_hidden_layers)]
+    if spec.num_experts and any(sparse) and spec.moe_router != "sigmoid_every_expert":
         moe = model.model.layers[sparse.index(True)].mlp
         gate_up = moe.experts.gate_up_proj
         assert gate_up.shape[0] == spec.num_experts
@@ -991,6 +999,13 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
             assert mlp.up_proj.out_features == spec.intermediate_size
             assert (mlp.up_proj.bias is not None) == spec.mlp_bias
 
+    if spec.rope_complex:  # Llama 4: which layers rotate, L2-normalize q/k, attend in chunks
+        rotating = [layer.self_attn.use_rope for layer in model.model.layers]
+        assert [not r for r in rotating] == [i in spec.nope_layers for i in range(len(rotating))]
+        qk_norms = [hasattr(layer.self_attn, "qk_norm") for layer in model.model.layers]
+        assert qk_norms == [spec.qk_l2_norm and r for r in rotating]
+        assert hf_config.attention_chunk_size == spec.attention_chunk_size
+        assert hf_config.attn_temperature_tuning == spec.nope_query_temperature
     assert getattr(hf_config, "sliding_window", None) == spec.sliding_window
     hf_layer_types = getattr(hf_config, "layer_types", None)
     if hf_layer_types and "sliding_attention" in hf_layer_types:

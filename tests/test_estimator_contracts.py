@@ -208,6 +208,11 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         # else matmul(probs, v) keeps its storage for v's; frozen experts keep no bias index
         pytest.param("gpt_oss", ("q_proj", "v_proj"), "bf16", "eager", marks=pytest.mark.slow),
         pytest.param("gpt_oss", ("v_proj",), "fp32", "eager", marks=pytest.mark.slow),
+        # Llama 4: frozen experts keep neither their input nor the product before down_proj;
+        # the first layer keeps no L2 norm of q, nor k, where neither needs a gradient
+        ("llama4_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        pytest.param("llama4_text", ("v_proj",), "fp32", "eager", marks=pytest.mark.slow),
+        pytest.param("llama4_text", ("k_proj", "o_proj"), "bf16", "eager", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -270,6 +275,9 @@ def test_lora_matches_autograd_on_cpu(
                 ("gpt_oss", ("rms_norm", "rope", "flce"), "bf16", ()),
                 ("gpt_oss", ("rms_norm", "rope", "cross_entropy"), "fp32", ()),
                 ("gpt_oss", ("rope",), "bf16", ("v_proj",)),
+                # the shared expert's GLU kernel; the attention keeps its forward
+                ("llama4_text", ("rms_norm", "swiglu", "flce"), "bf16", ()),
+                ("llama4_text", ("rms_norm", "swiglu", "cross_entropy"), "fp32", ()),
             ]
         ),
         # glm4_moe: RoPE on half of each head (q heads-major after it), SwiGLU in the dense layer

@@ -59,6 +59,21 @@ GEMMA3_4B_VISION = {  # google/gemma-3-4b-pt's vision_config
     "vision_use_head": False,
 }
 
+TINY_LLAMA4_VISION = {
+    "model_type": "llama4_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "patch_size": 4,
+    "image_size": 32,
+    "vision_output_dim": 40,
+    "projector_input_dim": 24,
+    "projector_output_dim": 24,
+}
+# meta-llama/Llama-4-Scout-17B-16E, as the catalog holds it
+SCOUT = json.loads(_MODELS_JSON.read_text())["llama-4-scout-17b-16e"]["config"]
+
 
 def gemma3(vision: dict | None, **outer) -> dict:
     text = {**TINY_TEXT, "model_type": "gemma3_text", "head_dim": 16}
@@ -89,6 +104,11 @@ def gemma4(vision: dict | None, **outer) -> dict:
     return {"model_type": "gemma4", "text_config": text, "vision_config": vision, **outer}
 
 
+def llama4(vision: dict | None) -> dict:
+    text = {**TINY_TEXT, "model_type": "llama4_text", "num_local_experts": 2}
+    return {"model_type": "llama4", "text_config": text, "vision_config": vision}
+
+
 CONFIGS = {
     "mistral-small-3.1 (published)": PUBLISHED,
     "gemma-3-4b vision_config": gemma3(GEMMA3_4B_VISION, mm_tokens_per_image=256),
@@ -107,6 +127,9 @@ CONFIGS = {
     "gemma4 vision tower and embedder": gemma4(TINY_GEMMA4_VISION),
     "gemma4, vision_config defaults": gemma4({"model_type": "gemma4_vision"}),
     "gemma4 without vision_config": gemma4(None),
+    "llama-4-scout (published)": SCOUT,
+    "llama4 vision tower": llama4(TINY_LLAMA4_VISION),
+    "llama4 without vision_config": llama4(None),
 }
 
 

@@ -104,6 +104,15 @@ FAMILIES = {
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
     },
+    # a layer that rotates (L2 q/k norms, chunks of 32 positions) and one without RoPE
+    # (temperature-scaled queries); four experts beside the shared one
+    "llama4_text": {
+        "head_dim": 64,
+        "num_local_experts": 4,
+        "no_rope_layers": [1, 0],
+        "attention_chunk_size": 32,
+        "floor_scale": 16,
+    },
 }
 
 

@@ -90,6 +90,7 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     sliding_window, layer_types = _attention_windows(rules, cfg, layers, nope_layers)
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
     dense_layers, shared_width = _dense_and_shared(rules, cfg, layers, moe_intermediate)
+    llama4 = _llama4_attention(rules, cfg, layers, nope_layers)
 
     fields = {
         "name": name,
@@ -137,11 +138,13 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "layer_scalar": rules.layer_scalar,
         "kv_kept_layers": _kv_kept_layers(rules, cfg, layers),
         **_multipliers(rules, cfg),
+        **llama4,
         "num_experts": num_experts,
         "num_experts_per_tok": experts_per_tok,
         "moe_intermediate_size": moe_intermediate,
         "dense_layers": dense_layers,
         "shared_expert_intermediate_size": shared_width,
+        **_moe_router(rules),
         "wrapper_model_type": None if multimodal is None else multimodal["model_type"],
         "vision_tower_tensors": ()
         if multimodal is None
@@ -599,12 +602,14 @@ def _experts(
     if moe.router == "sigmoid_fp32":
         _check_expert_groups(cfg, experts, per_tok)
     if moe.dense_layers_key is not None and (
-        _optional_list(cfg, moe.dense_layers_key) or _positive_int(cfg, "decoder_sparse_step") != 1
+        _optional_list(cfg, moe.dense_layers_key) or _positive_int(cfg, moe.dense_step_key) != 1
     ):
         raise MemplanError(
             f"{model_type} configs with dense layers ({moe.dense_layers_key} or "
-            "decoder_sparse_step > 1) are not supported; every layer must be a mixture of experts"
+            f"{moe.dense_step_key} > 1) are not supported; every layer must be a mixture of experts"
         )
+    if moe.moe_layers_key is not None:
+        _check_every_layer_moe(cfg, moe.moe_layers_key, moe.dense_step_key, model_type)
     return experts, per_tok, _positive_int(cfg, moe.expert_width_key)
 
 
@@ -612,7 +617,8 @@ def _dense_and_shared(
     rules: ConfigRules, cfg: dict[str, Any], layers: int, expert_width: int
 ) -> tuple[tuple[int, ...], int]:
     """The layers of a DeepSeek-style MoE model with a dense MLP (the first first_k_dense_replace
-    ones) and the width of each MoE layer's shared experts (expert width x n_shared_experts)."""
+    ones) and the width of each MoE layer's shared experts (expert width x n_shared_experts;
+    Llama 4's one shared expert, as wide as an expert)."""
     moe = rules.moe
     if moe is None:
         return (), 0
@@ -622,6 +628,8 @@ def _dense_and_shared(
     shared = 0
     if moe.shared_experts_key is not None:
         shared = expert_width * _positive_int(cfg, moe.shared_experts_key)
+    elif moe.router == "sigmoid_every_expert":  # Llama 4: one shared expert, as wide
+        shared = expert_width
     return dense, shared
 
 
@@ -641,3 +649,68 @@ def _check_expert_groups(cfg: dict[str, Any], experts: int, per_tok: int) -> Non
             f"num_experts_per_tok ({per_tok}) is more than the experts of the topk_group "
             f"({chosen}) groups the router picks ({chosen * (experts // groups)})"
         )
+
+
+def _check_every_layer_moe(
+    cfg: dict[str, Any], moe_layers_key: str, step_key: str, model_type: str
+) -> None:
+    """Llama 4's MoE layers: those moe_layers lists where given (indices past the last layer
+    are ignored, as the model ignores them), else every interleave_moe_layer_step-th layer; a
+    layer left out has a dense MLP, which memplan does not model (Maverick's)."""
+    layers = _positive_int(cfg, "num_hidden_layers")
+    if cfg.get(moe_layers_key) is not None:
+        listed = _optional_list(cfg, moe_layers_key)
+        every = set(range(layers)) <= {i for i in listed if _is_int(i)}
+    else:
+        every = _positive_int(cfg, step_key) == 1
+    if not every:
+        raise MemplanError(
+            f"{model_type} configs with dense layers ({moe_layers_key} short of every layer, or "
+            f"{step_key} > 1, as Llama 4 Maverick's) are not supported; every layer must be a "
+            "mixture of experts"
+        )
+
+
+def _moe_router(rules: ConfigRules) -> dict[str, Any]:
+    """How tokens reach the experts (MoeRules.router), for a MoE family."""
+    return {} if rules.moe is None else {"moe_router": rules.moe.router}
+
+
+def _llama4_attention(
+    rules: ConfigRules, cfg: dict[str, Any], layers: int, nope_layers: tuple[int, ...]
+) -> dict[str, Any]:
+    """Llama 4's attention traits (ConfigRules.llama4_attention): the layers that rotate attend
+    within chunks (their layer_types say chunked_attention, the others full_attention, as
+    Llama4TextConfig derives them), L2-normalize q and k where use_qk_norm; the others scale
+    their queries where attn_temperature_tuning."""
+    if not rules.llama4_attention:
+        return {}
+    derived = ["full_attention" if i in nope_layers else "chunked_attention" for i in range(layers)]
+    if cfg.get("layer_types") is not None and list(_optional_list(cfg, "layer_types")) != derived:
+        raise _bad_value(
+            "layer_types",
+            cfg["layer_types"],
+            '"chunked_attention" where the layer rotates (no_rope_layers) and "full_attention" '
+            "elsewhere, or null",
+        )
+    chunk = _optional_positive_int(cfg, "attention_chunk_size")
+    if chunk is None and len(nope_layers) < layers:
+        raise MemplanError(
+            "llama4 configs whose layers with RoPE have no attention_chunk_size are not "
+            "supported: transformers' chunked mask needs one"
+        )
+    if _probability(cfg, "attention_dropout"):
+        raise MemplanError(
+            "llama4 configs with attention_dropout above 0 are not supported: its eager "
+            "attention's dropout on the bf16 probabilities is not modelled"
+        )
+    _positive_int(cfg, "intermediate_size_mlp")  # the dense layers' width, none here
+    _positive_number(cfg, "floor_scale")
+    _number(cfg, "attn_scale")
+    return {
+        "rope_complex": True,
+        "qk_l2_norm": _boolean(cfg, "use_qk_norm"),
+        "nope_query_temperature": _boolean(cfg, "attn_temperature_tuning"),
+        "attention_chunk_size": chunk,
+        "eager_softmax_fp32": False,
+    }

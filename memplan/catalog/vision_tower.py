@@ -42,6 +42,17 @@ TOWER_DEFAULTS: dict[str, dict[str, Any]] = {
         "image_size": 1024,
         "patch_size": 16,
     },
+    "llama4": {
+        "hidden_size": 768,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 34,
+        "num_channels": 3,
+        "image_size": 448,
+        "patch_size": 14,
+        "vision_output_dim": 7680,
+        "projector_input_dim": 4096,
+        "projector_output_dim": 4096,
+    },
 }
 
 
@@ -178,10 +189,31 @@ def gemma4_tensors(vision: dict[str, Any]) -> tuple[int, ...]:
     return tuple(tensors)
 
 
+def llama4_tensors(vision: dict[str, Any]) -> tuple[int, ...]:
+    """Llama4VisionModel: the class and position embeddings (one more position than patches),
+    the unfolded patches' linear (no bias), the pre and post LayerNorms, the encoder layers
+    (q/k/v/o projections with biases, fc1/fc2 with biases, two LayerNorms), and the pixel
+    shuffle adapter's two linears (no biases)."""
+    p = "vision_config."
+    h, inter = _count(vision, p + "hidden_size"), _count(vision, p + "intermediate_size")
+    channels = _count(vision, p + "num_channels")
+    patch, image = _count(vision, p + "patch_size"), _count(vision, p + "image_size")
+    positions = (image // patch) ** 2 + 1
+    layer_norm = (h, h)
+    layer = (*(h * h, h) * 4, inter * h, inter, h * inter, h, *layer_norm, *layer_norm)
+    adapter_in = _count(vision, p + "projector_input_dim")
+    adapter_out = _count(vision, p + "projector_output_dim")
+    tensors = [h, positions * h, channels * patch * patch * h, *layer_norm, *layer_norm]
+    tensors += layer * _layers(vision, p + "num_hidden_layers")
+    tensors += [adapter_in * inter, adapter_out * adapter_out]
+    return tuple(tensors)
+
+
 TOWERS: dict[str, Callable[[dict[str, Any]], tuple[int, ...]]] = {
     "siglip": siglip_tensors,
     "pixtral": pixtral_tensors,
     "gemma4": gemma4_tensors,
+    "llama4": llama4_tensors,
 }
 
 
@@ -231,8 +263,17 @@ def _given(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if v is not None}
 
 
+def llama4_projector(
+    config: dict[str, Any], vision: dict[str, Any], text_hidden: int
+) -> tuple[int, ...]:
+    """Llama4MultiModalProjector: linear_1 from vision_output_dim to the text hidden size, no
+    bias."""
+    return (_count(vision, "vision_config.vision_output_dim") * text_hidden,)
+
+
 PROJECTORS: dict[str, Callable[[dict[str, Any], dict[str, Any], int], tuple[int, ...]]] = {
     "gemma3": gemma3_projector,
     "mistral3": mistral3_projector,
     "gemma4": gemma4_embedder,
+    "llama4": llama4_projector,
 }

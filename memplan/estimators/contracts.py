@@ -83,6 +83,18 @@ class Saved:
         return int(per_token * tokens) + constant
 
 
+# The suffix of a norm's saved entry that is its fp32 input itself (norm_saved).
+INPUT_ITSELF = ".input"
+
+
+def walked_tensor_by_tensor(spec: ModelSpec) -> bool:
+    """Whether the walk follows a checkpointed layer's forward and recomputation tensor by
+    tensor (Llama 4's MoE layers: moe_forward_peaks, every_expert_moe_backward), and with it
+    what checkpointing keeps: the first layer's input requiring grad under LoRA (peft's leaf),
+    the layer input a norm saves held once."""
+    return spec.moe_router == "sigmoid_every_expert"
+
+
 # Entries of layer_saved that the layer saves after attention (its MLP or MoE block and the norms
 # around it).
 AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "moe.", "norm.post_mlp")
@@ -119,6 +131,7 @@ class LayerContext:
     under_autocast: bool  # inside torch.autocast, whatever the weights' dtype
     rope: bool = True  # this layer rotates q and k (not one of SmolLM3's NoPE layers)
     moe: bool = False  # this layer's MLP is a mixture of experts (not a dense layer)
+    chunked: bool = False  # this layer attends within chunks (Llama 4's layers with RoPE)
 
     @property
     def rope_kernel(self) -> bool:
@@ -135,7 +148,7 @@ class LayerContext:
         """q and k leave this layer's RoPE in cos/sin's dtype (the residual stream's, fp32 under
         autocast): HF's RoPE does, except where the family casts them back to their own dtype
         (OLMo); memplan's kernel, and a layer without RoPE, keep q's and k's."""
-        return self.hf_rope and not self.spec.rope_in_fp32
+        return self.hf_rope and not (self.spec.rope_in_fp32 or self.spec.rope_complex)
 
     @property
     def keys_in_residual_dtype(self) -> bool:
@@ -189,7 +202,9 @@ def norm_saved(
             out.add(name, constant=FP32 * int(width))
     else:
         h_saved = p_in * w if weight_trainable else 0
-        out.add_each(name, FP32 * w, FP32 * rows_per_token, h_saved)
+        # x.float() of an fp32 input is the input itself, which pow keeps
+        out.add(name + (INPUT_ITSELF if p_in == FP32 else ""), FP32 * w)
+        out.add_each(name, FP32 * rows_per_token, h_saved)
     linear_inputs_saved(ctx, out, name + ".out", w, p_in, consumers)
 
 
@@ -233,6 +248,11 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         v_norm_saved(ctx, out)
     if ctx.rope_kernel:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
         out.add("attn.rope", kc.rope_saved_bytes(1, (nh + kv) * hd, p))
+    if spec.qk_l2_norm and ctx.rope:
+        l2_norms_saved(ctx, out)
+    if spec.nope_query_temperature and not ctx.rope and qkv_need_grad(ctx)[0]:
+        # q * attn_scales keeps the fp32 (1, seq, 1, 1) temperatures for q's gradient
+        out.add("attn.temperature", constant=seq * FP32)
     if spec.llama4_query_scale and qkv_need_grad(ctx)[0]:
         # q * get_llama_4_attn_scale(position_ids).to(q.dtype) keeps the (1, 1, seq, 1) factor
         # for q's gradient, one per layer, in the dtype of q after RoPE (HF's: cos/sin's).
@@ -251,6 +271,14 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         scores_grad = q_grad or k_grad
         p_scores = scores_bytes(ctx)
         dropout = spec.attention_dropout > 0
+        if ctx.setup.attn == "eager" and not spec.eager_softmax_fp32:
+            # Llama 4's softmax in q's dtype: its output is the one tensor it and
+            # matmul(probs, v) keep
+            out.add_each("attn.qkv", *[p_scores * nh * hd] * (k_grad + q_grad + scores_grad))
+            out.add("attn.probs", p_scores * nh * seq * (scores_grad or v_grad))
+            if o_input_kept(ctx):
+                out.add("attn.out", p * nh * hd)
+            return
         out.add_each("attn.qkv", *[p_scores * nh * hd] * (k_grad + q_grad + scores_grad))
         if spec.attention_sinks:
             sink_probs_saved(ctx, out, scores_grad, v_grad)
@@ -332,6 +360,19 @@ def sink_probs_saved(ctx: LayerContext, out: Saved, scores_grad: bool, v_grad: b
         out.add("attn.probs", p * nh * seq)
     elif not scores_grad:
         out.add("attn.probs", p_logits * nh * (seq + 1))
+
+
+def l2_norms_saved(ctx: LayerContext, out: Saved) -> None:
+    """Llama 4's L2 norm of q and k after RoPE, x.float() * rsqrt(mean(x^2) + eps) without
+    weight: pow and the product keep the fp32 x, the product its fp32 rsqrt per head row."""
+    spec = ctx.spec
+    q_grad, k_grad, _ = qkv_need_grad(ctx)
+    for needs_grad, heads in (
+        (q_grad, spec.num_attention_heads),
+        (k_grad, spec.num_key_value_heads),
+    ):
+        if needs_grad:
+            out.add_each("attn.l2_norm", FP32 * heads * spec.head_dim, FP32 * heads)
 
 
 def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
@@ -456,14 +497,17 @@ def kv_cache_shares_saved(ctx: LayerContext, key_bytes: int, value_bytes: int) -
 
 def attention_masked(ctx: LayerContext) -> bool:
     """Whether SDPA gets an explicit mask: sliding-window layers once the sequence reaches the
-    window (seen on gemma3 with seq == window)."""
+    window (seen on gemma3 with seq == window), Llama 4's chunked layers at every length."""
     window = ctx.spec.sliding_window
-    return ctx.sliding and window is not None and ctx.seq >= window
+    return ctx.chunked or (ctx.sliding and window is not None and ctx.seq >= window)
 
 
 def mlp_saved(ctx: LayerContext, out: Saved) -> None:
     if not ctx.output_needs_grad(2 if not ctx.moe else 1):
         return  # the MLP's input and its gate/up outputs need no gradient (experts: no adapters)
+    if ctx.moe and ctx.spec.moe_router == "sigmoid_every_expert":
+        every_expert_moe_saved(ctx, out)
+        return
     if ctx.moe:
         moe_saved(ctx, out)
         if ctx.spec.shared_expert_intermediate_size:
@@ -566,6 +610,162 @@ def router_copies_input(ctx: LayerContext) -> bool:
     router = FAMILIES[ctx.spec.model_type].config.moe
     sigmoid = router is not None and router.router == "sigmoid_fp32"
     return sigmoid and not ctx.dtypes.autocast and ctx.dtypes.param != FP32
+
+
+def every_expert_moe_saved(ctx: LayerContext, out: Saved) -> None:
+    """Llama 4's MoE block: the router's top-k indices and its fp32 sigmoid scores; every token
+    repeated for every expert (in the norm output's dtype, the residual's under autocast) and
+    times its score (a column copy of the scores), through batched matmuls: their input (the
+    product, or autocast's cast of it) where the weights train, gate_up, act(gate) and, where
+    down_proj trains, act(gate) * up; beside them the shared expert, a gated MLP."""
+    spec, p = ctx.spec, ctx.dtypes.proj
+    e, k, inter, h = (
+        spec.num_experts,
+        spec.num_experts_per_tok,
+        spec.moe_intermediate_size,
+        spec.hidden_size,
+    )
+    out.add("mlp.router.indices", INT64 * k)
+    out.add("mlp.router.sigmoid", FP32 * e)
+    out.add("mlp.router.scores", p * e)
+    trained = ctx.trainable_base
+    out.add("mlp.experts.in", e * ctx.dtypes.residual * h)
+    out.add("mlp.experts.scaled", e * p * h * trained)
+    out.add("mlp.experts.gate_up", e * 2 * p * inter)
+    out.add("mlp.experts.act", e * p * inter)
+    out.add("mlp.experts.product", e * p * inter * trained)
+    gated_mlp_saved(ctx, out, SHARED_EXPERT, spec.shared_expert_intermediate_size)
+
+
+# One step of Llama 4's MoE backward (every_expert_moe_backward): ("alloc", key, bytes),
+# ("free", key), ("free_saved", name: the layer's saved entries of that name),
+# ("free_saved_one", name: the first of them), ("grad", bytes: a weight's gradient, kept),
+# ("mark",): a high point.
+MoeStep = tuple
+
+
+def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[MoeStep]:
+    """Llama 4's MoE block backward, in autograd's order, as allocations, frees and high points
+    (bytes for `tokens` rows): the experts' output gradient, a copy of the sum's expanded
+    gradient, first; the shared expert's backward (down, up, gate), its input gradient kept; the
+    experts': down_proj's weight gradient, d(product), the saved product freed, d(up) and
+    d(act); d(gate), gate_up's gradient (the two halves joined); gate_up_proj's weight
+    gradient and the experts' input gradient; the product with the scores' two gradients; the
+    repeat's sum over experts, added to the shared expert's; the router's weight gradient.
+    Under autocast each weight gradient is made in bf16 and cast to the fp32 weight's dtype,
+    the copies autocast saved are freed with their matmul, and the gradients of the fp32
+    tensors (the sum, the scaled input, the residual's) are fp32."""
+    spec, d = ctx.spec, ctx.dtypes
+    p, res, amp = d.proj, d.residual, ctx.under_autocast
+    e, h, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    shared = spec.shared_expert_intermediate_size
+    t = tokens
+    glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in ctx.kernels
+
+    def weight_grad(key: str, elements: int) -> tuple[list[MoeStep], list[MoeStep]]:
+        """A weight's gradient: made where its matmul's backward runs, and, under autocast,
+        cast to fp32 once the matmul is done."""
+        if not ctx.trainable_base:
+            return [], []
+        if not amp:
+            return [("grad", d.param * elements)], []
+        return [("alloc", key, p * elements)], [("grad", d.param * elements), ("free", key)]
+
+    # the residual's gradient, fp32 under autocast: the walk's running gradient has p bytes
+    steps: list[MoeStep] = [("alloc", "g_residual", t * (res - p) * h)] if amp else []
+    if amp:  # the bf16 output's and the fp32 sum's gradients, cast from the residual's
+        steps += [("alloc", "g_out", t * p * h), ("alloc", "g_sum", t * FP32 * h)]
+    steps += [("alloc", "g_next", t * e * p * h), ("free", "g_sum")]
+    # the shared expert: down_proj, then d(up) and d(act) (the GLU kernel writes them over its
+    # saved gate and up), up_proj, act(gate), gate_proj
+    made, cast = weight_grad("w_down_s", h * shared)
+    steps += [*made, ("alloc", "g_prod_s", t * p * shared), ("free", "g_out")]
+    steps += [("free_saved", SHARED_EXPERT + ".autocast.down")]
+    steps += [("free_saved", SHARED_EXPERT + ".down_in"), *cast]
+    if not glu:
+        steps += [("alloc", "g_up_s", t * p * shared), ("alloc", "g_act_s", t * p * shared)]
+    steps += [("mark",), ("free", "g_prod_s"), ("free", "g_up_s"), ("free", "g_act_s")]
+    for name in ("act", "gate_up", "autocast.up", "autocast.gate"):
+        steps += [("free_saved", f"{SHARED_EXPERT}.{name}")]
+    for key in ("w_up_s", "w_gate_s"):
+        made, cast = weight_grad(key, h * shared)
+        steps += [*made, *cast]
+    if amp:  # gate_proj's and up_proj's own casts of the norm's output
+        steps += [("free_saved_one", "norm.mlp.out"), ("free_saved_one", "norm.mlp.out")]
+    steps += [("alloc", "g_in_s", t * res * h)]
+    # the experts
+    made, cast = weight_grad("w_down", e * inter * h)
+    steps += [*made, ("alloc", "g_prod", t * e * p * inter), ("free", "g_next")]
+    steps += [("free_saved", "mlp.autocast.down"), ("free_saved", "mlp.experts.product"), *cast]
+    steps += [("alloc", "g_up", t * e * p * inter), ("alloc", "g_act", t * e * p * inter)]
+    steps += [("mark",), ("free", "g_prod"), ("free_saved", "mlp.experts.act")]
+    steps += [("alloc", "g_gate", t * e * p * inter), ("free", "g_act")]
+    steps += [("free_saved", "mlp.experts.gate_up"), ("alloc", "g_gate_up", t * e * 2 * p * inter)]
+    steps += [("mark",), ("free", "g_gate"), ("free", "g_up")]
+    made, cast = weight_grad("w_gate_up", e * h * 2 * inter)
+    steps += [*made, ("alloc", "g_scaled", t * e * p * h), ("mark",), ("free", "g_gate_up")]
+    steps += [("free_saved", "mlp.autocast.gate_up"), ("free_saved", "mlp.experts.scaled")]
+    steps += cast
+    if amp:  # to the fp32 product's dtype
+        steps += [("alloc", "g_scaled_fp32", t * e * res * h), ("free", "g_scaled")]
+    steps += [("alloc", "g_product", t * e * res * h), ("alloc", "g_in", t * e * res * h)]
+    steps += [("mark",), ("alloc", "g_scores", t * e * res)]
+    if amp:  # to the bf16 scores' dtype
+        steps += [("alloc", "g_scores_p", t * e * p), ("free", "g_scores")]
+    steps += [("free", "g_product"), ("free", "g_scaled"), ("free", "g_scaled_fp32")]
+    steps += [("free_saved", "mlp.router.scores"), ("free_saved", "mlp.experts.in")]
+    steps += [("alloc", "g_repeat", t * res * h), ("free", "g_in")]
+    steps += [("alloc", "g_mlp", t * res * h), ("free", "g_in_s"), ("free", "g_repeat")]
+    made, cast = weight_grad("w_router", e * h)
+    steps += [("free", "g_scores"), ("free", "g_scores_p"), *made, *cast, ("free", "g_mlp")]
+    return [*steps, ("free", "g_residual")]
+
+
+# The entries of layer_saved of Llama 4's shared expert, which runs after the experts.
+SHARED_EXPERT = "mlp.shared"
+
+
+def every_expert_moe_peaks(ctx: LayerContext, grad: bool) -> list[list[float]]:
+    """Per token, what Llama 4's MoE block holds beyond what the layer saves at its highest
+    points: the second expert matmul's output allocated (without a graph, its input too), and
+    the sum of the experts' outputs beside the shared expert's. Each holds the layer's input
+    and the residual after attention (the model's loop and the layer's locals) where no norm
+    saves them as they are, the attention's output (a local until the layer returns), the
+    router's scores and logits, the norm's output and the scaled expert input where nothing
+    saves them as they are, and the experts' output; the first the product before down_proj
+    where it is not saved (and, without grad, gate_up), the second the shared expert's output
+    and the sum. `grad`: the forward records the graph (not a checkpointed layer's first
+    forward)."""
+    spec, d = ctx.spec, ctx.dtypes
+    e, h, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    res, p = d.residual, d.proj
+    inputs_kept = grad and ctx.trainable_base and not d.autocast
+    # fp32 residuals are the very tensors the norms' pow keeps (x.float() returns x)
+    norm_keeps = grad and res == FP32 and "rms_norm" not in ctx.kernels
+    input_norm_keeps = norm_keeps and (ctx.needs_input_grad or ctx.trainable_base)
+    residuals = [res * h] * (2 - norm_keeps - input_norm_keeps)
+    # in fp32 the router's scores are its sigmoid's saved output (.to returns it)
+    scores = [] if grad and p == FP32 else [p * e]
+    common = [*residuals, p * h, *scores, p * e]
+    common += [] if inputs_kept else [res * h, e * res * h]
+    # eager attention returns its probabilities, a local of the layer (`_`) unless saved
+    probs_saved = grad and any(qkv_need_grad(ctx))
+    if ctx.setup.attn == "eager" and not probs_saved:
+        common.append(p * spec.num_attention_heads * ctx.seq)
+    experts_out = e * p * h
+    product = [] if grad and ctx.trainable_base else [e * p * inter]
+    # CUDA autocast sums in fp32 (sum gets dtype=float32)
+    summed = [experts_out, p * h, (FP32 if ctx.under_autocast else p) * h]
+    if grad:
+        return [[*common, *product, experts_out], [*common, *summed]]
+    # without a graph act(gate) lives until the product is made, gate_up until the experts
+    # return
+    gate_up = [e * 2 * p * inter]
+    return [
+        [*common, *gate_up, e * p * inter, *product],
+        [*common, *gate_up, *product, experts_out],
+        [*common, *summed],
+    ]
 
 
 def layer_saved(ctx: LayerContext) -> Saved:
@@ -675,8 +875,10 @@ def layer_saved(ctx: LayerContext) -> Saved:
         # caches none), saved where the matmul's input needs a gradient (measured on an H200,
         # llama-3.2-1b amp-bf16 with LoRA on q and v).
         first = 0 if ctx.needs_input_grad else first_stage_after(ctx.lora_targets)
-        for params in autocast_weight_tensors(spec, first, ctx.moe):
-            out.add("autocast.weights", constant=d.proj * params)
+        tensors = autocast_weight_tensors(spec, first, ctx.moe)
+        names = autocast_weight_names(spec, ctx.moe)[-len(tensors) :] if tensors else []
+        for name, params in zip(names, tensors, strict=True):
+            out.add(name, constant=d.proj * params)
     return out
 
 
@@ -711,6 +913,27 @@ def kv_path_saved(ctx: LayerContext, saved: Saved) -> list[tuple[float, int]]:
     return kept
 
 
+# Llama 4's MoE weights as autocast copies them, in autocast_weight_tensors' order: named so
+# that its backward frees each copy where the matmul that saved it is done.
+EVERY_EXPERT_AUTOCAST_NAMES = (
+    "mlp.autocast.router",
+    "mlp.autocast.gate_up",
+    SHARED_EXPERT + ".autocast.gate",
+    SHARED_EXPERT + ".autocast.up",
+    "mlp.autocast.down",
+    SHARED_EXPERT + ".autocast.down",
+)
+
+
+def autocast_weight_names(spec: ModelSpec, moe: bool = False) -> list[str]:
+    """The layer_saved names of autocast_weight_tensors(spec, 0, moe)'s copies."""
+    count = len(autocast_weight_tensors(spec, 0, moe))
+    if not (moe and spec.moe_router == "sigmoid_every_expert"):
+        return ["autocast.weights"] * count
+    moe = len(EVERY_EXPERT_AUTOCAST_NAMES)
+    return ["autocast.weights"] * (count - moe) + list(EVERY_EXPERT_AUTOCAST_NAMES)
+
+
 def gemma_norms(spec: ModelSpec) -> bool:
     """RMSNorms that multiply by the weight in fp32 and keep x * rstd for its gradient."""
     return FAMILIES[spec.model_type].gemma_norms
@@ -742,7 +965,7 @@ def autocast_weight_params(spec: ModelSpec, first_stage: int = 0, moe: bool = Fa
     """Weights of one layer that autocast copies to low precision for its matmuls, from
     first_stage on (LORA_TARGET_STAGE): attention and MLP weights, not biases. Of a MoE block
     (`moe`) the router and the shared experts' MLP: the experts' grouped matmuls are not
-    autocast ops (moe_saved)."""
+    autocast ops (moe_saved); Llama 4's batched expert matmuls are."""
     return sum(autocast_weight_tensors(spec, first_stage, moe))
 
 
@@ -753,7 +976,16 @@ def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0, moe: bool = F
     qkv = [h * (q_out + 2 * kv_out)] if spec.fused_qkv else [h * q_out, h * kv_out, h * kv_out]
     if spec.values_from_keys:
         qkv = qkv[:2]
-    if moe:
+    if moe and spec.moe_router == "sigmoid_every_expert":
+        # Llama 4's experts run torch.bmm, an autocast op, beside a shared gated MLP
+        e, width, shared = (
+            spec.num_experts,
+            spec.moe_intermediate_size,
+            spec.shared_expert_intermediate_size,
+        )
+        gate_up = [h * e, e * h * 2 * width, shared * h, shared * h]
+        down = [e * width * h, h * shared]
+    elif moe:
         shared = spec.shared_expert_intermediate_size
         router = FAMILIES[spec.model_type].config.moe
         if router is not None and router.router == "sigmoid_fp32":

@@ -419,7 +419,7 @@ def strategies_modelled(spec: ModelSpec) -> bool:
     weights change."""
     moe = FAMILIES[spec.model_type].config.moe if spec.model_type in FAMILIES else None
     uniform = spec.uniform_layers and not spec.dense_layers
-    return uniform and (moe is None or moe.router != "sigmoid_fp32")
+    return uniform and (moe is None or moe.router not in ("sigmoid_fp32", "sigmoid_every_expert"))
 
 
 def layout_for(spec: ModelSpec, setup: TrainSetup) -> OneGpu:

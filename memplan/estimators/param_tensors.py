@@ -138,11 +138,16 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
     )
 
 
+# The routers (MoeRules.router) of MoE blocks that register their experts first, then the
+# router, then the shared experts' MLP.
+EXPERTS_FIRST = ("sigmoid_fp32", "sigmoid_every_expert")
+
+
 def router_position(spec: ModelSpec) -> int | None:
     """Where moe_shapes puts the router weight, for a MoE model."""
     if not spec.num_experts:
         return None
-    return len(expert_shapes(spec)) if moe_rules(spec).router == "sigmoid_fp32" else 0
+    return len(expert_shapes(spec)) if moe_rules(spec).router in EXPERTS_FIRST else 0
 
 
 def dense_mlp_shapes(spec: ModelSpec, inter: int, bias: bool | None = None) -> list[Shape]:
@@ -163,11 +168,11 @@ def moe_shapes(spec: ModelSpec) -> list[Shape]:
     """A MoE block: transformers 5 keeps the experts as 3-D parameters, (experts, 2 x moe, h)
     and (experts, h, moe), beside the (experts, h) router (and its bias, gpt-oss): registered
     first (Mixtral, Qwen3, gpt-oss), or after the experts and before the shared experts' MLP
-    (DeepSeek-style)."""
+    (DeepSeek-style, Llama 4: EXPERTS_FIRST)."""
     e, h = spec.num_experts, spec.hidden_size
     rules = moe_rules(spec)
     router: list[Shape] = [(e, h)] + ([(e, 1)] if rules.router_bias else [])
-    if rules.router != "sigmoid_fp32":
+    if rules.router not in EXPERTS_FIRST:
         return router + expert_shapes(spec)
     shared = dense_mlp_shapes(spec, spec.shared_expert_intermediate_size, False)
     return expert_shapes(spec) + router + shared

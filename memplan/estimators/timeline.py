@@ -7,21 +7,29 @@ with the cuBLAS workspace of the autograd thread, which step 1's backward create
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from memplan.errors import UsageError
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import (
     AFTER_ATTENTION,
+    EVERY_EXPERT_AUTOCAST_NAMES,
     FP32,
+    INPUT_ITSELF,
     INT64,
     LAYER_INPUT,
     LORA_TARGET_STAGE,
+    SHARED_EXPERT,
     DtypePlan,
     LayerContext,
+    MoeStep,
     Saved,
     attention_masked,
     autocast_weight_params,
+    autocast_weight_tensors,
+    every_expert_moe_backward,
+    every_expert_moe_peaks,
     gemma_norms,
     kv_cache_shares_saved,
     kv_path_saved,
@@ -31,6 +39,7 @@ from memplan.estimators.contracts import (
     rotation_saved,
     runs_under_autocast,
     sdpa_math_path,
+    walked_tensor_by_tensor,
 )
 from memplan.estimators.events import EventLog
 from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
@@ -99,6 +108,10 @@ def layer_contexts(
     amp step computes in bf16 inside autocast: runs_under_autocast of its setup as given)."""
     lora = bool(setup.lora_rank)
     layer_types = spec.layer_types or ()
+    # Under checkpointed LoRA peft's leaf, the embedding's output, requires grad, and so the
+    # first layer's input: modelled where the walk follows a checkpointed layer tensor by
+    # tensor (Llama 4's MoE layers, moe_forward_peaks)
+    leaf_input = setup.grad_checkpointing and walked_tensor_by_tensor(spec)
     return [
         LayerContext(
             spec=spec.layer(index),
@@ -107,11 +120,12 @@ def layer_contexts(
             backend=backend,
             kernels=frozenset(setup.kernels),
             trainable_base=not lora,
-            needs_input_grad=not (lora and index == 0),
+            needs_input_grad=not (lora and index == 0) or leaf_input,
             sliding=index < len(layer_types) and layer_types[index] == "sliding_attention",
             under_autocast=dtypes.autocast if under_autocast is None else under_autocast,
             rope=index not in spec.nope_layers,
             moe=spec.moe_layer(index),
+            chunked=spec.attention_chunk_size is not None and index not in spec.nope_layers,
         )
         for index in range(spec.num_hidden_layers)
     ]
@@ -134,6 +148,25 @@ class ForwardSaved:
     # Attention masks the checkpointed layers keep as inputs for their recomputation: (bytes,
     # the layer whose backward releases it, the lowest that reads it).
     checkpoint_masks: list[tuple[int, int]] = field(default_factory=list)
+    # Under checkpointed autocast, Llama 4's copies of one layer's trainable weights, which
+    # autocast caches as each matmul first runs: the attention's, then the MoE block's (their
+    # order in moe_forward_peaks); empty where the cache is one allocation at the start.
+    autocast_cache_by_layer: tuple[list[int], list[int]] | None = None
+    # Per layer, the forward's points inside Llama 4's MoE block above the layer's start: the
+    # layer's saved allocations alive there and what the block holds beside them (none
+    # elsewhere); under checkpointing, the graph-free first forward's.
+    moe_peaks: list[list[list[int]]] = field(default_factory=list)
+    # The attention masks the model's forward makes, alive until it returns (under
+    # checkpointing, checkpoint_masks).
+    forward_masks: list[int] = field(default_factory=list)
+    # Per layer, the names of the allocations saved after attention, and Llama 4's MoE
+    # backward program (contracts.every_expert_moe_backward; empty elsewhere).
+    after_names: list[list[str]] = field(default_factory=list)
+    # The embedding's output, which the model's forward holds through every layer, where the
+    # first layer saves none of it as it is and no checkpoint holds it (one allocation, or
+    # none).
+    embedding_output: list[int] = field(default_factory=list)
+    moe_backward: list[list[MoeStep]] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -161,6 +194,15 @@ def saved_allocations(
     return [n for n in sizes if n > 0]
 
 
+def saved_names(saved: Saved, tokens: int, prefixes: tuple[str, ...]) -> list[str]:
+    """The names of saved_allocations(saved, tokens, prefixes), in the same order."""
+    return [
+        name
+        for name, per_token, constant in saved.tensors
+        if name.startswith(prefixes) and int(per_token * tokens) + constant > 0
+    ]
+
+
 def forward_saved(
     spec: ModelSpec,
     setup: TrainSetup,
@@ -176,8 +218,14 @@ def forward_saved(
     contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
     by_kind: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}  # layers differ so
     recomputed: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}
-    # Without autocast the linears that read the residual stream keep the layer input itself.
+    # Without autocast the linears that read the residual stream keep the layer input itself,
+    # as an fp32 input norm does, where the walk follows checkpointing tensor by tensor.
     layer_input = (LAYER_INPUT,) if not dtypes.autocast else ()
+    if walked_tensor_by_tensor(spec):
+        layer_input += ("norm.attn" + INPUT_ITSELF,)
+    moe_peaks: dict[tuple[bool, ...], list[list[int]]] = {}
+    after_names: dict[tuple[bool, ...], list[str]] = {}
+    moe_backward: dict[tuple[bool, ...], list[MoeStep]] = {}
     for ctx in contexts:
         kind = layer_kind(ctx)
         if kind not in by_kind:
@@ -187,6 +235,10 @@ def forward_saved(
             by_kind[kind] = ([blocks(n) for n in before], [blocks(n) for n in after])
             before = saved_allocations(saved, tokens, AFTER_ATTENTION + layer_input, matching=False)
             recomputed[kind] = ([blocks(n) for n in before], by_kind[kind][1])
+            moe_peaks[kind] = moe_forward_peaks(ctx, saved, tokens, blocks)
+            after_names[kind] = saved_names(saved, tokens, AFTER_ATTENTION)
+            every_expert = spec.moe_router == "sigmoid_every_expert" and ctx.output_needs_grad(1)
+            moe_backward[kind] = every_expert_moe_backward(ctx, tokens) if every_expert else []
     final = Saved()
     norm_saved(
         contexts[-1],
@@ -199,11 +251,8 @@ def forward_saved(
         not lora,
         gemma_norms(spec),
     )
-    rope_dtype = FP32 if dtypes.autocast or spec.rope_in_fp32 else dtypes.residual
-    # gpt-oss's tables hold one angle per rotated pair, applied to both halves
-    halved = 2 if spec.rope_half_tables else 1
     shared = sum(
-        2 * blocks(setup.seq * width // halved * rope_dtype)
+        rope_table_bytes(spec, width, setup, dtypes, blocks)
         for width in rope_tables_kept(spec, contexts)
     )
     embedding = 0 if lora else blocks(tokens * INT64)
@@ -219,25 +268,123 @@ def forward_saved(
         checkpoint_masks=[
             (blocks(n), layer) for n, layer in checkpointed_masks(setup, dtypes, contexts)
         ],
+        autocast_cache_by_layer=layer_autocast_copies(spec, contexts[-1], blocks),
+        moe_peaks=[moe_peaks[layer_kind(ctx)] for ctx in contexts],
+        after_names=[after_names[layer_kind(ctx)] for ctx in contexts],
+        embedding_output=[]
+        if first_norm_keeps_input(contexts[0]) or setup.grad_checkpointing
+        else [blocks(tokens * spec.hidden_size * dtypes.residual)],
+        moe_backward=[moe_backward[layer_kind(ctx)] for ctx in contexts],
+        forward_masks=[]
+        if setup.grad_checkpointing
+        else [blocks(n) for n in chunked_model_masks(setup, dtypes, contexts)],
     )
+
+
+def layer_autocast_copies(
+    spec: ModelSpec, ctx: LayerContext, blocks: Callable[[float], int]
+) -> tuple[list[int], list[int]] | None:
+    """One layer's autocast copies of its trainable weights under checkpointing, where the
+    walk makes them layer by layer (walked_tensor_by_tensor): the attention's, the MoE
+    block's (EVERY_EXPERT_AUTOCAST_NAMES' order); None elsewhere."""
+    trained = ctx.trainable_base and ctx.under_autocast and ctx.setup.grad_checkpointing
+    if not (trained and walked_tensor_by_tensor(spec)):
+        return None
+    copies = [blocks(ctx.dtypes.proj * n) for n in autocast_weight_tensors(spec, 0, True)]
+    moe = len(EVERY_EXPERT_AUTOCAST_NAMES)
+    return copies[:-moe], copies[-moe:]
+
+
+def first_norm_keeps_input(ctx: LayerContext) -> bool:
+    """Whether the first layer's HF RMSNorm saves its input itself: x.float() returns an fp32
+    input as it is, and pow keeps it where the norm needs a gradient, in a forward that records
+    the graph."""
+    grad = not ctx.setup.grad_checkpointing
+    saves = ctx.needs_input_grad or ctx.trainable_base
+    return grad and saves and ctx.dtypes.residual == FP32 and "rms_norm" not in ctx.kernels
+
+
+def chunked_model_masks(
+    setup: TrainSetup, dtypes: DtypePlan, contexts: list[LayerContext]
+) -> list[int]:
+    """Llama 4's masks, made once per forward: SDPA's (batch x seq x seq) bool mask for the
+    chunked layers (the causal layers pass none); eager attention's additive (batch x seq x
+    seq) masks in the residual dtype, one per layer type (chunked_mask_readers' order). None
+    for other models."""
+    square = setup.batch * setup.seq * setup.seq
+    element = dtypes.residual if setup.attn == "eager" else 1
+    return [square * element for _ in chunked_mask_readers(setup, contexts)]
+
+
+def chunked_mask_readers(setup: TrainSetup, contexts: list[LayerContext]) -> list[int]:
+    """For each of chunked_model_masks' masks, the first layer that reads it: its checkpoint
+    holds it until that layer's backward is done."""
+    if not any(ctx.chunked for ctx in contexts):
+        return []
+    kinds = (True, False) if setup.attn == "eager" else (True,)
+    firsts = [next((i for i, c in enumerate(contexts) if c.chunked == k), None) for k in kinds]
+    return [i for i in firsts if i is not None]
+
+
+def moe_forward_peaks(
+    ctx: LayerContext, saved: Saved, tokens: int, blocks: Callable[[float], int]
+) -> list[list[int]]:
+    """The allocations alive at each high point of Llama 4's MoE block in one layer's forward,
+    beyond the layer's start: what the layer has saved by then (all of it but the shared
+    expert's at the experts' second matmul) and every_expert_moe_peaks' tensors; under
+    checkpointing the graph-free forward saves nothing. None for other blocks."""
+    if ctx.spec.moe_router != "sigmoid_every_expert" or not ctx.output_needs_grad(1):
+        return []
+    grad = not ctx.setup.grad_checkpointing
+    *in_experts, summed = every_expert_moe_peaks(ctx, grad)
+    everything = saved_allocations(saved, tokens, (), False) if grad else []
+    before_shared = saved_allocations(saved, tokens, (SHARED_EXPERT,), False) if grad else []
+    points = [[*before_shared, *(tokens * b for b in held)] for held in in_experts]
+    points.append([*everything, *(tokens * b for b in summed)])
+    points = [[blocks(n) for n in point] for point in points]
+    copies = layer_autocast_copies(ctx.spec, ctx, blocks)
+    if copies is not None:  # the router's and gate_up's copies, then down's, then the rest
+        router, gate_up, _, _, down, _ = copies[1]
+        made = [[router, gate_up]] * (len(points) - 2) + [[router, gate_up, down]]
+        points = [p + m for p, m in zip(points, [*made, copies[1]], strict=True)]
+    return points
+
+
+def rope_table_bytes(
+    spec: ModelSpec,
+    width: int,
+    setup: TrainSetup,
+    dtypes: DtypePlan,
+    blocks: Callable[[float], int],
+) -> int:
+    """Bytes of one rotary table of `width` rotated dims: cos and sin as wide (fp32 under
+    autocast and where the family computes them in fp32, else the residual's dtype), half as
+    wide for gpt-oss, or Llama 4's one complex64 cos + i sin of width / 2 frequencies."""
+    if spec.rope_complex:
+        return blocks(setup.seq * width // 2 * 2 * FP32)
+    rope_dtype = FP32 if dtypes.autocast or spec.rope_in_fp32 else dtypes.residual
+    # gpt-oss's tables hold one angle per rotated pair, applied to both halves
+    halved = 2 if spec.rope_half_tables else 1
+    return 2 * blocks(setup.seq * width // halved * rope_dtype)
 
 
 def layer_kind(ctx: LayerContext) -> tuple[bool | int, ...]:
     """What makes layers save different tensors: a sliding window, an input that needs no
-    gradient (the first layer under LoRA), RoPE applied or not, a MoE or a dense MLP, the
-    layer's attention geometry (Gemma 4's global layers)."""
+    gradient (the first layer under LoRA), RoPE applied or not, a MoE or a dense MLP, chunked
+    attention, the layer's attention geometry (Gemma 4's global layers)."""
     geometry = ctx.spec.head_dim, ctx.spec.num_key_value_heads, ctx.spec.values_from_keys
-    return ctx.sliding, ctx.needs_input_grad, ctx.rope, ctx.moe, *geometry
+    return ctx.sliding, ctx.needs_input_grad, ctx.rope, ctx.moe, ctx.chunked, *geometry
 
 
 def rope_tables_kept(spec: ModelSpec, contexts: list[LayerContext]) -> list[int]:
-    """The width (rotated dims) of each cos/sin pair saved for backward: none where no layer rotates
-    (SmolLM3's NoPE layers only). With one pair per layer type (OLMo 3, Gemma 4, whose global
-    layers rotate their own head dim), a type's pair is saved where a layer of that type saves
-    its rotation (not the first layer under LoRA when neither q nor k needs a gradient there),
-    else freed when the forward returns."""
+    """The width (rotated dims) of each cos/sin pair saved for backward: none where no layer
+    that rotates saves its rotation (SmolLM3's NoPE layers only; Llama 4's first layer under
+    LoRA, the only one that rotates in a short model). With one pair per layer type (OLMo 3,
+    Gemma 4, whose global layers rotate their own head dim), a type's pair is saved where a
+    layer of that type saves its rotation (not the first layer under LoRA when neither q nor k
+    needs a gradient there), else freed when the forward returns."""
     rotating = [ctx for ctx in contexts if ctx.rope]
-    if not rotating:
+    if not any(rotation_saved(ctx) for ctx in rotating):
         return []
     if spec.rope_tables == 1 or spec.layer_types is None:
         return [rotating[0].spec.rotated_dim] * spec.rope_tables
@@ -255,6 +402,9 @@ def checkpointed_masks(
     Each with the lowest layer that reads it: its checkpoint releases the mask last."""
     if not setup.grad_checkpointing:
         return []
+    if any(ctx.chunked for ctx in contexts):  # Llama 4's, each with the first layer that reads it
+        masks = chunked_model_masks(setup, dtypes, contexts)
+        return list(zip(masks, chunked_mask_readers(setup, contexts), strict=True))
     seq = setup.seq
     if setup.attn == "eager":
         first: dict[bool, int] = {}
@@ -1002,7 +1152,12 @@ def walk_step(
     builder.mark("start", "weights + optimizer states")
     # Under checkpointing nothing saves the low-precision copies autocast caches of trainable
     # weights, but the cache holds them until the forward's autocast region ends.
-    autocast_cache = builder.alloc("autocast_cache", sizes.autocast_cache if ckpt else 0)
+    # Llama 4's copies are made layer by layer, as each matmul first runs (moe_forward_peaks)
+    by_layer = bool(saved.autocast_cache_by_layer)
+    autocast_cache = builder.alloc(
+        "autocast_cache", sizes.autocast_cache if ckpt and not by_layer else 0
+    )
+    cached_copies: list[int | None] = []
 
     hf_loss = "flce" not in kernels and "cross_entropy" not in kernels
     # memplan's loss divides the hidden states by Granite's logits_scaling (HF: the logits)
@@ -1034,13 +1189,24 @@ def walk_step(
             in_forward = kept.unsaved + (kept.saved if ckpt else [])
             kv_kept[index] = builder.alloc_all("activations", in_forward)
         layout.forward_enter(builder, f"layer {index}")
+        if saved.moe_peaks and saved.moe_peaks[index]:
+            # Llama 4's MoE block holds more than the attention; a checkpointed layer's saved
+            # tensors die as its forward lets go of them (moe_forward_peaks)
+            recomputed_later = []
+        attention_copies, moe_copies = saved.autocast_cache_by_layer or ([], [])
+        cached_copies += [builder.alloc("autocast_cache", n) for n in attention_copies]
         transient = sizes.layer_fwd_transient[index]
         builder.mark("forward", f"layer {index}", transient + recomputed_later)
+        # the model's forward holds its masks, and its embedding output past the first layer
+        held_by_model = saved.forward_masks + saved.embedding_output * (index > 0)
+        for held in saved.moe_peaks[index] if saved.moe_peaks else ():
+            builder.mark("forward", f"layer {index}", held + held_by_model)
+        cached_copies += [builder.alloc("autocast_cache", n) for n in moe_copies]
         if ckpt:
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
             kept_before = builder.alloc_all("activations", before)
-            layer_kept.append((kept_before, builder.alloc_all("activations", after)))
+            layer_kept.append((kept_before, alloc_saved_after(builder, saved, index, after)))
             if sizes.layer_fwd_peak_delta is not None:
                 builder.mark("forward", f"layer {index}", [sizes.layer_fwd_peak_delta])
         layout.forward_exit(builder, f"layer {index}")
@@ -1095,6 +1261,7 @@ def walk_step(
         builder.free_all([n for tensors in kv_kept.values() for n in tensors])
         kv_kept.clear()
     builder.free(autocast_cache)
+    builder.free_all(cached_copies)
     layout.forward_end(builder)
     if not accumulating:  # the previous step's graph, held by its loss until this forward ends
         builder.free_all(run.embedding_leaf)
@@ -1171,7 +1338,7 @@ def walk_step(
             recomputed_before, recomputed_after = saved.recomputed_entries[index]
             layer_kept[index] = (
                 builder.alloc_all("transient", recomputed_before),
-                builder.alloc_all("transient", recomputed_after),
+                alloc_saved_after(builder, saved, index, recomputed_after, "transient"),
             )
             if sizes.recomputed_peak_delta is not None:
                 builder.mark("backward", label, [sizes.recomputed_peak_delta])
@@ -1183,6 +1350,12 @@ def walk_step(
             ("attention", gradients.attention, sizes.attention_bwd_transient[index], kept_before),
         ):
             builder.at("backward", label)
+            if part == "mlp" and saved.moe_backward and saved.moe_backward[index]:
+                names = saved.after_names[index]
+                program = saved.moe_backward[index]
+                grads = play_moe_backward(builder, program, names, kept, label, accumulating)
+                keep_gradients(f"layer {index}", part, *grads)
+                continue
             delta = sizes.clamped_moe_bwd_delta
             if part == "mlp" and delta is not None and spec.moe_layer(index):
                 kept_bytes = sum(builder.size_of(t)[0] for t in kept)
@@ -1241,6 +1414,58 @@ def walk_step(
     return walk
 
 
+def alloc_saved_after(
+    builder: StepBuilder,
+    saved: ForwardSaved,
+    index: int,
+    sizes: list[int],
+    category: str = "activations",
+) -> list[int]:
+    """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
+    them one by one (ForwardSaved.moe_backward), else as alloc_all makes them."""
+    if not (saved.moe_backward and saved.moe_backward[index]):
+        return builder.alloc_all(category, sizes)
+    return [t for t in (builder.alloc(category, n) for n in sizes) if t is not None]
+
+
+def play_moe_backward(
+    builder: StepBuilder,
+    steps: list[MoeStep],
+    names: list[str],
+    kept: list[int],
+    label: str,
+    accumulating: bool,
+) -> list[int]:
+    """Llama 4's MoE backward (contracts.every_expert_moe_backward) on the walk: its
+    temporaries, the saved allocations it frees as it goes (`kept`, named by `names`), its
+    high points; the rest of `kept` freed at its end. Returns its weights' gradients, in order,
+    for the caller to keep (allocated there, after the last high point); `accumulating`: each
+    is added into the one kept as soon as it is made, and holds nothing at the high points."""
+    temporaries: dict[str, int | None] = {}
+    saved = dict(enumerate(zip(names, kept, strict=True)))
+    grads: list[int] = []
+    for step in steps:
+        action = step[0]
+        if action == "alloc":
+            temporaries[step[1]] = builder.alloc("transient", step[2])
+        elif action == "free":
+            builder.free(temporaries.pop(step[1], None))
+        elif action in ("free_saved", "free_saved_one"):
+            keys = [k for k, (name, _) in saved.items() if name == step[1]]
+            for key in keys[:1] if action == "free_saved_one" else keys:
+                builder.free(saved.pop(key)[1])
+        elif action == "grad":
+            grads.append(step[1])
+            made = 0 if accumulating else step[1]
+            temporaries[f"grad {len(grads)}"] = builder.alloc("gradients", made)
+        else:
+            builder.mark("backward", label)
+    for key in [k for k in temporaries if k.startswith("grad ")]:
+        builder.free(temporaries.pop(key))
+    builder.free_all(tensor for _, tensor in saved.values())
+    return [n for n in grads if n]
+
+
 def play_flce(builder: StepBuilder, steps: list[tuple[str, str, int]]) -> list[int]:
     """FLCE's forward allocations (kernel_contracts.flce_allocations), marked at their peak;
     returns what it saves (dX, dW)."""
@@ -1288,6 +1513,11 @@ def optimizer_step(
 def estimate_step(
     spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None = None, backend: str = "cuda"
 ) -> MemoryEstimate:
+    if setup.strategy is not None and walked_tensor_by_tensor(spec):
+        raise UsageError(
+            f"{spec.model_type}: memplan walks its MoE layers' step on one GPU; the "
+            f"{setup.strategy} strategy's sharded gradients there are not modelled"
+        )
     sizes = step_sizes(spec, setup, gpu, backend)
     walks, _ = walk_run(spec, setup, sizes, steady_steps=1, record=False)
     first, steady = walks

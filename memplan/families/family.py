@@ -30,10 +30,15 @@ class MoeRules:
         top k of its logits, a softmax of those k in the logits' dtype; "sigmoid_fp32"
         (DeepSeek-style): the linear on fp32 copies of its input and weight, sigmoid scores
         plus an fp32 e_score_correction_bias buffer per MoE layer, group-limited top-k, the
-        routing weights in the router logits' dtype (fp32, autocast's under autocast).
+        routing weights in the router logits' dtype (fp32, autocast's under autocast);
+        "sigmoid_every_expert": Llama 4's, every token through every expert (bmm), its input
+        times the sigmoid of its top-k router logits (0 for the other experts), beside a shared
+        expert of the expert width; its experts are registered before its router.
     router_bias: the router linear has a bias. expert_biases: gate_up_proj and down_proj each
         have a per-expert bias. clamped_glu: gpt-oss's gate: gate and up interleaved in the
-        gate_up output, both clamped to its limit, gate * sigmoid(alpha * gate) * (up + 1)."""
+        gate_up output, both clamped to its limit, gate * sigmoid(alpha * gate) * (up + 1).
+    dense_step_key: a key whose value other than 1 makes some layers dense (unsupported).
+    moe_layers_key: a key listing the MoE layers; one it leaves out is dense (unsupported)."""
 
     experts_key: Literal["num_experts", "num_local_experts", "n_routed_experts"]
     expert_width_key: str
@@ -42,10 +47,12 @@ class MoeRules:
     dense_layers_key: str | None = None
     first_dense_key: str | None = None
     shared_experts_key: str | None = None
-    router: Literal["softmax", "topk_softmax", "sigmoid_fp32"] = "softmax"
+    router: Literal["softmax", "topk_softmax", "sigmoid_fp32", "sigmoid_every_expert"] = "softmax"
     router_bias: bool = False
     expert_biases: bool = False
     clamped_glu: bool = False
+    dense_step_key: str = "decoder_sparse_step"
+    moe_layers_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,12 @@ class ConfigRules:
         rotation applies to both halves of each head (gpt-oss).
     attention_sinks: each attention head has a learned sink logit (a `sinks` parameter) that
         eager attention concatenates to the scores before the softmax and drops after it
-        (gpt-oss); attention_dropout must then be 0."""
+        (gpt-oss); attention_dropout must then be 0.
+    llama4_attention: Llama 4's attention: RoPE as fp32 complex products with one complex64
+        table, q and k cast back to their dtype; in the layers that rotate, an L2 norm of q and
+        k without weight (use_qk_norm) and attention within chunks of attention_chunk_size (a
+        mask at every sequence length); in the others, the queries times a position-dependent
+        temperature (attn_temperature_tuning); eager attention's softmax in q's dtype."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
@@ -141,6 +153,7 @@ class ConfigRules:
     layer_scalar: bool = False
     keeps_last_kv_per_type: bool = False
     unmodelled: tuple[Unmodelled, ...] = ()
+    llama4_attention: bool = False
     moe: MoeRules | None = None
 
     def __post_init__(self) -> None:
@@ -189,10 +202,13 @@ class Family:
         return self.patch.embedding.scaled_class is not None
 
     def kernels(self, activation: str, dense_mlp: bool = True) -> tuple[str, ...]:
-        """The memplan kernels that replace an op of this family, in KERNEL_NAMES order; the GLU
-        kernel where the family has a gated MLP class, some layer is dense (`dense_mlp`: not a
-        model whose every layer is a mixture of experts) and the activation has one."""
-        found = {"rms_norm", "rope", "cross_entropy", "flce", "embedding"}
+        """The memplan kernels that replace an op of this family, in KERNEL_NAMES order; RoPE
+        where memplan patches the attention; the GLU kernel where the family has a gated MLP
+        class, some gated MLP runs (`dense_mlp`: a dense layer, or a shared expert beside the
+        experts) and the activation has one."""
+        found = {"rms_norm", "cross_entropy", "flce", "embedding"}
+        if self.patch.attention.classes:  # memplan's RoPE runs in the patched attention
+            found.add("rope")
         glu = GLU_KERNEL_BY_ACTIVATION.get(activation)
         if glu is not None and self.patch.mlp is not None and dense_mlp:
             found.add(glu)

@@ -729,5 +729,61 @@ FAMILIES: dict[str, Family] = {
             tiny_from="gpt-oss-20b",
             sdpa_refused_from=(5, 0),  # no SDPA path takes the sink logits: eager
         ),
+        Family(
+            model_type="llama4_text",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 202048,
+                    "hidden_size": 5120,
+                    "intermediate_size": 8192,
+                    "intermediate_size_mlp": 16384,
+                    "num_hidden_layers": 48,
+                    "num_attention_heads": 40,
+                    "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "max_position_embeddings": 131072,
+                    "num_local_experts": 16,
+                    "num_experts_per_tok": 1,
+                    "interleave_moe_layer_step": 1,
+                    "no_rope_layer_interval": 4,
+                    "use_qk_norm": True,
+                    "attention_chunk_size": 8192,
+                    "attn_temperature_tuning": True,
+                    "floor_scale": 8192,
+                    "attn_scale": 0.1,
+                },
+                nope_layers=True,
+                llama4_attention=True,
+                moe=MoeRules(
+                    experts_key="num_local_experts",
+                    expert_width_key="intermediate_size",
+                    normalizes_by_default=False,
+                    fp32_routing_weights=False,
+                    router="sigmoid_every_expert",
+                    dense_step_key="interleave_moe_layer_step",
+                    moe_layers_key="moe_layers",
+                ),
+            ),
+            patch=PatchSpec(
+                model_type="llama4_text",
+                norm=NormSpec(classes=("Llama4TextRMSNorm",), eps_attr="eps"),
+                # Llama 4 rotates interleaved pairs as complex numbers, memplan's RoPE kernel
+                # halves: the attention keeps its forward
+                attention=AttentionSpec(classes=()),
+                # the shared expert is a Llama4TextMLP too
+                mlp=MlpSpec(classes=("Llama4TextMLP",)),
+                causal_lm=CausalLMSpec(classes=("Llama4ForCausalLM",)),
+                notes=(
+                    "the decoder layers keep their forward: the MoE block returns the router "
+                    "logits beside its output",
+                    "the attention keeps its forward: Llama 4 rotates interleaved pairs as "
+                    "complex numbers, memplan's RoPE kernel rotates halves",
+                    "the experts (3-D weights, every token through every expert) keep "
+                    "transformers' implementation",
+                ),
+            ),
+            tiny_from="llama-4-scout-17b-16e",
+            wrapped_by=("llama4",),
+        ),
     )
 }

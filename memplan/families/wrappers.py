@@ -23,7 +23,7 @@ class Wrapper:
 
     model_type: str
     default_text: str
-    tower: Literal["siglip", "pixtral", "gemma4"]
+    tower: Literal["siglip", "pixtral", "gemma4", "llama4"]
     tower_model_types: tuple[str, ...] = ()
     default_vision: dict[str, Any] = field(default_factory=dict)
     without_vision_config: Literal["default", "none"] = "default"
@@ -54,6 +54,12 @@ WRAPPERS: dict[str, Wrapper] = {
                 "num_hidden_layers": 24,
                 "num_attention_heads": 16,
             },
+        ),
+        Wrapper(
+            model_type="llama4",
+            default_text="llama4_text",
+            tower="llama4",
+            tower_model_types=("llama4_vision_model",),
         ),
     )
 }

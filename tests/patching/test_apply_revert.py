@@ -55,6 +55,7 @@ def step_outputs(model: nn.Module) -> list[torch.Tensor]:
                 "exaone4",
                 "glm4_moe",
                 "gemma4_text",
+                "llama4_text",
             )
         ),
     ],

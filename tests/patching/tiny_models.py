@@ -72,7 +72,11 @@ def shrink(
         layers = overrides.get("num_hidden_layers", config["num_hidden_layers"])
         config["no_rope_layers"] = [int(i % 2 == 0) for i in range(layers)]
         config.pop("layer_types", None)
-    if "num_local_experts" in config:  # mixtral, gpt_oss
+    if "moe_layers" in config:  # llama4: every layer a mixture of experts, chunks shorter
+        # than the test sequences
+        layers = overrides.get("num_hidden_layers", config["num_hidden_layers"])
+        config.update(moe_layers=list(range(layers)), attention_chunk_size=window)
+    if "num_local_experts" in config:  # mixtral, gpt_oss, llama4
         config["num_local_experts"] = experts
     if "num_experts" in config:  # qwen3_moe; its last layer dense, so that MLP takes the GLU
         last = config["num_hidden_layers"] - 1

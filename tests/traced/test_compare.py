@@ -24,6 +24,8 @@ SMALL = {
     "intermediate_size": 1024,
     "vocab_size": 4096,
 }
+# Llama 4 with eight experts four times as wide as the default case's, and a small vocabulary.
+LLAMA4_MOE_HEAVY = {"num_local_experts": 8, "intermediate_size": 2048, "vocab_size": 512}
 # One setup beside plain bf16 per family, so that each option meets several families.
 VARIANTS = {
     "llama": {"grad_checkpointing": True},
@@ -56,6 +58,8 @@ VARIANTS = {
     "gemma4_text": {"grad_checkpointing": True},
     # the sink attention's fp32 logits and backward under autocast, the experts in fp32
     "gpt_oss": {"precision": "amp-bf16"},
+    # every expert's bmm copies its weights under autocast; the sum of their outputs in fp32
+    "llama4_text": {"precision": "amp-bf16"},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
@@ -163,6 +167,40 @@ def test_contracts_agree_with_the_traced_step(family: str, overrides: dict, opti
     per_token = sum(v for k, v in breakdown.items() if k not in fixed)
     assert per_token > 0.3 * result.rows[0].traced  # activations and logits weigh in the peak
     assert result.agrees(1.0), [(r.what, round(r.difference_pct, 3)) for r in result.rows]
+
+
+LLAMA4_OPTIONS = [
+    {},
+    {"precision": "fp32"},
+    {"attn": "eager"},
+    {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    {"lora_rank": 16, "lora_targets": ("k_proj",), "attn": "eager"},
+    {"grad_checkpointing": True},
+    {"grad_checkpointing": True, "precision": "amp-bf16"},
+    {"grad_checkpointing": True, "precision": "fp32"},
+    {"grad_checkpointing": True, "attn": "eager"},
+    {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    {"precision": "amp-bf16", "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        o if o == {"precision": "fp32"} else pytest.param(o, marks=pytest.mark.slow)
+        for o in LLAMA4_OPTIONS
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "bf16",
+)
+def test_llama4_moe_block_agrees_in_every_phase(options: dict) -> None:
+    """Llama 4 with its experts outweighing the logits: the MoE block's forward high points
+    (the experts' second matmul, the sum beside the shared expert) and its backward's, walked
+    allocation by allocation, agree with the traced step in every phase."""
+    result = compare(
+        small_spec("llama4_text", **LLAMA4_MOE_HEAVY), TrainSetup(batch=2, seq=1024, **options)
+    )
+    rows = {row.what: round(row.difference_pct, 4) for row in result.rows}
+    assert all(abs(pct) < 0.06 for pct in rows.values()), rows
 
 
 @pytest.mark.slow
