@@ -592,6 +592,54 @@ def test_gpt_oss_configs_read_as_published():
         assert spec.moe_intermediate_size == spec.intermediate_size == 2880
 
 
+def llama4_text_config(**overrides) -> dict:
+    """Llama 4 Scout's text_config as the catalog holds it, with `overrides`."""
+    return {**RAW["llama-4-scout-17b-16e"]["config"]["text_config"], **overrides}
+
+
+def test_llama4_scout_reads_as_transformers_builds_it():
+    spec = ENTRIES["llama-4-scout-17b-16e"].spec
+    assert spec.model_type == "llama4_text" and spec.wrapper_model_type == "llama4"
+    assert spec.nope_layers == tuple(range(3, 48, 4))  # every fourth layer applies no RoPE
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (16, 1, 8192)
+    assert spec.moe_router == "sigmoid_every_expert"
+    assert spec.shared_expert_intermediate_size == 8192
+    assert spec.rope_complex and spec.qk_l2_norm and spec.nope_query_temperature
+    assert spec.attention_chunk_size == 8192 and not spec.eager_softmax_fp32
+    assert spec.sliding_window is None and spec.layer_types is None
+    # the derived keys left out read as the config class derives them
+    derived = ("moe_layers", "no_rope_layers", "layer_types")
+    text = {k: v for k, v in llama4_text_config().items() if k not in derived}
+    text_model = spec.model_copy(update={"wrapper_model_type": None, "vision_tower_tensors": ()})
+    assert _fields(spec_from_config(text)) == _fields(text_model)
+    # moe_layers past the last layer are ignored, as the model ignores them
+    assert spec_from_config(llama4_text_config(num_hidden_layers=2)).num_experts == 16
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # Llama 4 Maverick's interleaved dense layers
+        ({"moe_layers": None, "interleave_moe_layer_step": 2}, "dense layers"),
+        ({"moe_layers": list(range(1, 48, 2))}, "dense layers"),
+        ({"attention_dropout": 0.1}, "attention_dropout above 0"),
+        ({"attention_chunk_size": None}, "no attention_chunk_size"),
+        ({"layer_types": ["full_attention"] * 48}, "'layer_types' must be"),
+        ({"attn_temperature_tuning": 4}, "'attn_temperature_tuning' must be true or false"),
+    ],
+)
+def test_llama4_configs_memplan_cannot_model_are_refused(overrides, message):
+    with pytest.raises(MemplanError) as error:
+        spec_from_config(llama4_text_config(**overrides))
+    assert message in _one_line(error)
+
+
+def test_llama4_with_a_data_parallel_strategy_is_refused():
+    spec = ENTRIES["llama-4-scout-17b-16e"].spec
+    with pytest.raises(UsageError, match="one GPU"):
+        estimate(spec, TrainSetup(batch=1, seq=256, gpus=2, strategy="ddp"))
+
+
 def test_multimodal_gemma3_config_resolves_to_its_text_config(tmp_path):
     # google/gemma-3-4b-pt's config.json as published (vision_config abridged).
     published = {
