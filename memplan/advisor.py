@@ -541,7 +541,8 @@ def advise(
     elif not fit and not strategies_modelled(spec):
         warnings.append(
             f"{spec.model_type} is estimated on one GPU only: how many GPUs a data-parallel "
-            "strategy needs is not modelled for its dense-and-MoE layers and fp32 router"
+            "strategy needs is not modelled for its MoE layers (dense layers beside them, an fp32 "
+            "router, or every token through every expert)"
         )
     return Advice(
         model=spec.name or spec.model_type,

@@ -638,6 +638,9 @@ def test_llama4_with_a_data_parallel_strategy_is_refused():
     spec = ENTRIES["llama-4-scout-17b-16e"].spec
     with pytest.raises(UsageError, match="one GPU"):
         estimate(spec, TrainSetup(batch=1, seq=256, gpus=2, strategy="ddp"))
+    advice = advise(spec, 1, 256, gpu="h100")  # 200 GiB of weights: no GPU count is searched
+    assert not advice.fits and advice.gpu_counts == []
+    assert any("on one GPU only" in warning for warning in advice.warnings)
 
 
 def test_multimodal_gemma3_config_resolves_to_its_text_config(tmp_path):

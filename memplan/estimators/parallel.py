@@ -416,7 +416,8 @@ def strategies_modelled(spec: ModelSpec) -> bool:
     """Whether data parallelism is modelled for this architecture: not where layers differ (a MoE
     model's dense layers, Gemma 4's global layers), since each strategy's walk shards one layer's
     parameters for all, nor through a DeepSeek-style fp32 router, whose casts the sharded bf16
-    weights change."""
+    weights change, nor for Llama 4's every-expert MoE, whose backward the walk follows
+    allocation by allocation with one GPU's gradients."""
     moe = FAMILIES[spec.model_type].config.moe if spec.model_type in FAMILIES else None
     uniform = spec.uniform_layers and not spec.dense_layers
     return uniform and (moe is None or moe.router not in ("sigmoid_fp32", "sigmoid_every_expert"))
@@ -431,7 +432,8 @@ def layout_for(spec: ModelSpec, setup: TrainSetup) -> OneGpu:
     if setup.strategy is not None and not strategies_modelled(spec):
         raise UsageError(
             f"{spec.model_type} is estimated on one GPU only: data parallelism ({setup.strategy}) "
-            "is not modelled for its dense-and-MoE layers and fp32 router"
+            "is not modelled for its MoE layers (dense layers beside them, an fp32 router, or "
+            "every token through every expert)"
         )
     if setup.strategy == "fsdp2":
         return Fsdp2(spec, setup)

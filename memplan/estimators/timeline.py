@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from memplan.errors import UsageError
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import (
     AFTER_ATTENTION,
@@ -1513,11 +1512,6 @@ def optimizer_step(
 def estimate_step(
     spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None = None, backend: str = "cuda"
 ) -> MemoryEstimate:
-    if setup.strategy is not None and walked_tensor_by_tensor(spec):
-        raise UsageError(
-            f"{spec.model_type}: memplan walks its MoE layers' step on one GPU; the "
-            f"{setup.strategy} strategy's sharded gradients there are not modelled"
-        )
     sizes = step_sizes(spec, setup, gpu, backend)
     walks, _ = walk_run(spec, setup, sizes, steady_steps=1, record=False)
     first, steady = walks
