@@ -148,6 +148,8 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "qwen3_moe": (_ATTENTION_QV, _ATTENTION_ALL),
     "glm4_moe": (_ATTENTION_QV, _ATTENTION_ALL),
     "gpt_oss": (_ATTENTION_QV, _ATTENTION_ALL),
+    # the estimate adapts attention only in a MoE model
+    "llama4_text": (_ATTENTION_QV, _ATTENTION_ALL),
 }
 LORA_TARGETS["llama"] += (
     ("o_proj",),
