@@ -201,13 +201,18 @@ class Family:
         """The token embedding multiplies its lookup by a scale (Gemma's sqrt(hidden))."""
         return self.patch.embedding.scaled_class is not None
 
+    @property
+    def patched_rope(self) -> bool:
+        """Whether memplan's RoPE kernel applies: it runs inside the patched attention."""
+        return bool(self.patch.attention.classes)
+
     def kernels(self, activation: str, dense_mlp: bool = True) -> tuple[str, ...]:
         """The memplan kernels that replace an op of this family, in KERNEL_NAMES order; RoPE
         where memplan patches the attention; the GLU kernel where the family has a gated MLP
         class, some gated MLP runs (`dense_mlp`: a dense layer, or a shared expert beside the
         experts) and the activation has one."""
         found = {"rms_norm", "cross_entropy", "flce", "embedding"}
-        if self.patch.attention.classes:  # memplan's RoPE runs in the patched attention
+        if self.patched_rope:
             found.add("rope")
         glu = GLU_KERNEL_BY_ACTIVATION.get(activation)
         if glu is not None and self.patch.mlp is not None and dense_mlp:

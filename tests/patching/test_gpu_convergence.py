@@ -98,7 +98,7 @@ def test_convergence_matches_hf(family, dtype, request):
     patched = copy.deepcopy(reference)
     rerun = copy.deepcopy(reference) if family in NONDETERMINISTIC else None
     applied = mp.apply(patched)
-    rope = {"rope"} if REGISTRY[family].patch.attention.classes else set()  # patched attention
+    rope = {"rope"} if REGISTRY[family].patched_rope else set()
     assert {"rms_norm", "flce"} | rope <= set(applied.kernels)
     batches = _batches(reference.config.vocab_size)
     losses_ref = _train(reference, batches)

@@ -5,12 +5,8 @@ environment torchrun gives its processes)."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from memplan.errors import MemplanError, UsageError
 from memplan.schema import TrainSetup, VerifyCase
@@ -18,6 +14,7 @@ from memplan.verify import distributed
 from memplan.verify.runner import child_argv, with_ranks
 
 from .fakes import TINY_LLAMA
+from .gloo_ranks import become_rank, run_ranks
 
 
 def case_of(**setup) -> VerifyCase:
@@ -59,13 +56,7 @@ def test_a_torchrun_case_launches_one_process_per_gpu() -> None:
 
 
 def _rank(rank: int, world: int, port: int, strategy: str, results) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    become_rank(rank, world, port)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(rank)  # each rank's own weights, until preparation hands out rank 0's
@@ -92,15 +83,7 @@ def _rank(rank: int, world: int, port: int, strategy: str, results) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_real_ranks_prepare_and_train(strategy: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    mp.start_processes(
-        _rank, args=(2, port, strategy, results), nprocs=2, start_method="spawn", join=True
-    )
-    got = sorted(results.get(timeout=60) for _ in range(2))
+    got = run_ranks(_rank, 2, strategy)
     assert [(r, seen) for r, seen, _, _ in got] == [(0, 0), (1, 1)]
     vocab = TINY_LLAMA["vocab_size"]
     expected_rows = vocab // 2 if strategy == "fsdp2" else vocab

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
-import socket
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from click.testing import CliRunner
 
 from memplan.errors import MemplanError, UsageError
@@ -24,6 +21,7 @@ from memplan.verify.predict import spec_from_hf_config
 from memplan.verify.runner import with_ranks
 
 from .fakes import TINY_LLAMA
+from .gloo_ranks import become_rank, run_ranks
 
 BASE = ["--model", "qwen3-0.6b", "--batch", "4", "--seq", "1024", "--kernels", "none"]
 
@@ -139,15 +137,8 @@ def test_the_command_line_refuses_simulated_zero_in_one_line(monkeypatch) -> Non
 
 
 def _rank(rank: int, world: int, port: int, strategy: str, results) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",  # DeepSpeed's CPU accelerator: tensors and gloo on the CPU
-    )
+    # DeepSpeed's CPU accelerator: tensors and gloo on the CPU
+    become_rank(rank, world, port, DS_ACCELERATOR="cpu")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     worker.DEVICE = "cpu"
@@ -188,15 +179,7 @@ def _rank(rank: int, world: int, port: int, strategy: str, results) -> None:
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_zero_trains_over_two_real_ranks(strategy: str) -> None:
     pytest.importorskip("deepspeed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    mp.start_processes(
-        _rank, args=(2, port, strategy, results), nprocs=2, start_method="spawn", join=True
-    )
-    got = sorted(results.get(timeout=60) for _ in range(2))
+    got = run_ranks(_rank, 2, strategy)
     zero = modelled(setup_of(strategy))
     prefetch = int(0.9 * zero.bucket)
     for rank, (seen, *config, bf16, steps, partitions, _) in enumerate(got):
@@ -211,15 +194,7 @@ def test_zero_trains_over_two_real_ranks(strategy: str) -> None:
 
 def _child(rank: int, world: int, port: int, results) -> None:
     """worker.run as a torchrun rank, torch.cuda's counters faked (the CPU has none)."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
+    become_rank(rank, world, port, DS_ACCELERATOR="cpu")
     counters = {
         "synchronize": lambda *a: None,
         "memory_allocated": lambda *a: 3 * GIB,
@@ -243,13 +218,7 @@ def _child(rank: int, world: int, port: int, results) -> None:
 @pytest.mark.slow
 def test_the_child_measures_zero3_with_accumulation_over_two_real_ranks() -> None:
     pytest.importorskip("deepspeed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    mp.start_processes(_child, args=(2, port, results), nprocs=2, start_method="spawn", join=True)
-    got = sorted(results.get(timeout=60) for _ in range(2))
+    got = run_ranks(_child, 2)
     for rank, code, status, error, env, peak, _ in got:
         assert (code, status, error) == (protocol.EXIT_OK, "ok", None), rank
         assert env["ranks"] == "torchrun" and env["world_size"] == "2"
