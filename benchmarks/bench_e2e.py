@@ -40,6 +40,7 @@ CASES = [
     ("llama-3-8b", 4, 8, 2048),
     ("olmo-2-0425-1b", None, 8, 2048),
     ("gemma-4-31b", 4, 2, 2048),
+    ("gpt-oss-20b", 2, 4, 2048),
 ]
 VARIANTS = ("hf", "liger", "memplan")
 # the goal for memplan against Liger, measured side by side in one run
