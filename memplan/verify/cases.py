@@ -12,6 +12,7 @@ from typing import Any
 
 from memplan.errors import UsageError, option_error
 from memplan.estimators.params import default_lora_targets
+from memplan.estimators.releases import as_run_by
 from memplan.schema import (
     KERNEL_NAMES,
     Advice,
@@ -25,6 +26,7 @@ from memplan.schema import (
 from memplan.schema import SETUP_OPTIONS as TRAIN_SETUP_OPTIONS
 from memplan.verify.predict import spec_from_hf_config, with_layers
 from memplan.verify.protocol import case_name
+from memplan.versions import installed_versions
 
 # Options of TrainSetup that verify passes through unchanged (batch, seq and kernels apart).
 SETUP_OPTIONS = (*TRAIN_SETUP_OPTIONS, "flce_chunk")
@@ -299,6 +301,8 @@ def plan_cases(
         if plan is not None:
             fields = _setup_from_plan(fields, plan)
         setup = resolve_kernels(spec, make_setup(**fields), case_kernels, gpu_spec)
+        # SDPA asked of a model type the installed transformers builds with eager only
+        setup = as_run_by(spec.model_type, setup, installed_versions()["transformers"])
         label = case_name(name, setup)
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:

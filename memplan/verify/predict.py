@@ -15,6 +15,12 @@ def spec_from_hf_config(hf_config: dict[str, Any], name: str | None = None) -> M
     return spec_from_config(dict(hf_config), name)
 
 
+# config lists with one entry per layer, and lists of layer indices (transformers checks both
+# against num_hidden_layers, e.g. Llama 4 derives its layer types from no_rope_layers)
+PER_LAYER_FLAGS = ("layer_types", "no_rope_layers")
+LAYER_INDEX_LISTS = ("moe_layers", "mlp_only_layers")
+
+
 def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     """The same model cut to its first `layers` decoder layers (the embedding, the final norm and
     the head unchanged): a big model's per-layer behaviour at a fraction of its memory."""
@@ -23,8 +29,12 @@ def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     config = dict(spec.hf_config)
     config.setdefault("model_type", spec.model_type)
     config["num_hidden_layers"] = layers
-    if isinstance(config.get("layer_types"), list):
-        config["layer_types"] = config["layer_types"][:layers]
+    for key in PER_LAYER_FLAGS:
+        if isinstance(config.get(key), list):
+            config[key] = config[key][:layers]
+    for key in LAYER_INDEX_LISTS:
+        if isinstance(config.get(key), list):
+            config[key] = [i for i in config[key] if i < layers]
     name = f"{spec.name}-l{layers}" if spec.name else None
     return spec_from_hf_config(config, name)
 

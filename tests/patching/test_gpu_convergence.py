@@ -46,14 +46,28 @@ def _mini_model(family: str, dtype: torch.dtype):
     config.pop("vocab_size", None)
     config = AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
-    attn = "eager" if family == "gemma2" else "sdpa"  # Gemma 2's attention softcap needs eager
+    # Gemma 2's softcap and gpt-oss's sinks have no SDPA path
+    attn = "eager" if REGISTRY[config.model_type].sdpa_refused_from else "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     return model.to(device="cuda", dtype=dtype).train()
 
 
 NONDETERMINISTIC = {"mixtral", "qwen3_moe"}
-# Measured on an H100 and not explained (docs/accuracy.md): the CPU's 30 steps agree within 7e-7.
-DRIFTS_ON_THE_GPU = {("gemma4_text", torch.float32)}
+# Gemma 4's fp32 mini model grows step-1 differences of 1e-7 to ~1e-3 by step 30 on an H100
+# whichever kernel makes them (docs/accuracy.md): its tolerance is twice what a one-ulp
+# perturbation of HF's own weights grows to.
+AMPLIFIES_ROUNDING = {("gemma4_text", torch.float32)}
+
+
+def _perturbed(model):
+    """The model with every weight moved by one ulp, up or down at random."""
+    perturbed = copy.deepcopy(model)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            signs = torch.randint(0, 2, p.shape, generator=g, device=p.device) * 2 - 1
+            p.mul_(1 + torch.finfo(p.dtype).eps * signs)
+    return perturbed
 
 
 def _batches(vocab: int, device: str = "cuda") -> list[dict[str, torch.Tensor]]:
@@ -90,13 +104,14 @@ def _flat(model) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_convergence_matches_hf(family, dtype, request):
-    if (family, dtype) in DRIFTS_ON_THE_GPU:
-        reason = "fp32 steps drift from Hugging Face's on the GPU (docs/accuracy.md)"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+def test_convergence_matches_hf(family, dtype):
     reference = _mini_model(family, dtype)
     patched = copy.deepcopy(reference)
-    rerun = copy.deepcopy(reference) if family in NONDETERMINISTIC else None
+    rerun = None
+    if (family, dtype) in AMPLIFIES_ROUNDING:
+        rerun = _perturbed(reference)
+    elif family in NONDETERMINISTIC:
+        rerun = copy.deepcopy(reference)
     applied = mp.apply(patched)
     rope = {"rope"} if REGISTRY[family].patched_rope else set()
     assert {"rms_norm", "flce"} | rope <= set(applied.kernels)

@@ -251,3 +251,25 @@ def test_python_api_keeps_the_cases_measured_before_the_gpu_went_missing(monkeyp
         )
     assert [m.setup.batch for m in e.value.report.measurements] == [1, 2]
     assert len(launcher.cases) == 3  # the sweep stops at the first case without a GPU
+
+
+@pytest.mark.parametrize(
+    ("model", "layers"), [("llama-4-scout-17b-16e", 1), ("gpt-oss-20b", 2), ("smollm3-3b", 3)]
+)
+def test_a_layer_cut_builds_in_transformers(model, layers):
+    """transformers checks per-layer lists (Llama 4's no_rope_layers and moe_layers) against the
+    layer count: the cut config must pass."""
+    from transformers import AutoConfig
+
+    from memplan.catalog import resolve_model
+
+    config = dict(predict.with_layers(resolve_model(model), layers).hf_config)
+    built = AutoConfig.for_model(config.pop("model_type"), **config)
+    assert built.num_hidden_layers == layers
+    assert len(built.layer_types) == layers
+
+
+def test_sdpa_asked_of_a_model_transformers_builds_eager_only_is_planned_eager():
+    (planned,) = plan_cases("gpt-oss-20b", batch=1, seq=128, kernels="none", layers=2)
+    assert planned.case.setup.attn == "eager"
+    assert "eager" in planned.case.case
