@@ -42,6 +42,7 @@ from memplan.limits import (
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
     KERNEL_NAMES,
+    SHARDING_STRATEGIES,
     Advice,
     Gpu,
     GpuCount,
@@ -790,6 +791,8 @@ STRATEGY_CHECKS = {
     "zero2": "from DeepSpeed's code; unmeasured",
     "zero3": "from DeepSpeed's code; unmeasured",
 }
+# How CPU offload's model was checked (docs/distributed.md).
+OFFLOAD_CHECK = "CPU offload: from the framework's code; unmeasured"
 # The order advise lists them in: the least communication first among those that shard.
 GPU_COUNT_STRATEGIES = ("fsdp2", "zero2", "zero3", "zero1", "ddp")
 
@@ -822,12 +825,19 @@ def gpu_counts(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> list[GpuCount]:
     counts = []
     for strategy in GPU_COUNT_STRATEGIES:
         found, change, judged = None, "", None
+        # offload is an option of the sharding strategies only
+        offload = setup.cpu_offload and strategy in SHARDING_STRATEGIES
         # DDP's ranks hold what one GPU does and more: no count helps where one does not
         for description, update in variants if strategy != "ddp" else variants[:1]:
 
-            def trial(n: int, update: dict = update, strategy: str = strategy) -> TrainSetup:
+            def trial(
+                n: int, update: dict = update, strategy: str = strategy, offload: bool = offload
+            ) -> TrainSetup:
                 return lightest_flce(
-                    spec, setup.model_copy(update={**update, "gpus": n, "strategy": strategy})
+                    spec,
+                    setup.model_copy(
+                        update={**update, "gpus": n, "strategy": strategy, "cpu_offload": offload}
+                    ),
                 )
 
             def allocated_fits(n: int, trial=trial) -> bool:
@@ -859,10 +869,12 @@ def gpu_counts(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> list[GpuCount]:
                 peak_bytes=judged.peak_bytes,
                 reserved_bytes=reserved.reserved_bytes if reserved and reserved.runs else 0,
                 change=change,
-                checked=STRATEGY_CHECKS[strategy],
+                checked=OFFLOAD_CHECK if offload else STRATEGY_CHECKS[strategy],
                 why_none=why,
                 accelerate_config=accelerate_config(
-                    setup.model_copy(update={"gpus": found, "strategy": strategy})
+                    setup.model_copy(
+                        update={"gpus": found, "strategy": strategy, "cpu_offload": offload}
+                    )
                 )
                 if found
                 else None,

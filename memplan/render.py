@@ -81,7 +81,8 @@ def verdict_lines(advice: Advice) -> list[str]:
     if setup.strategy is not None:
         per = " per rank" if setup.gpus > 1 else ""
         head += per
-        on = f"{setup.gpus} x {on} with {STRATEGY_NAMES[setup.strategy]} (rank 0's peak)"
+        offload = " and CPU offload" if setup.cpu_offload else ""
+        on = f"{setup.gpus} x {on} with {STRATEGY_NAMES[setup.strategy]}{offload} (rank 0's peak)"
     if advice.fits:
         lines = [f"{head} on {on}: [green]fits[/green], {gib(advice.headroom_bytes)} headroom."]
     else:
@@ -289,6 +290,8 @@ def _setup_line(advice: Advice) -> str:
         options.append(f"{setup.grad_accum} accumulation steps")
     if setup.count_vision_tower:
         options.append(f"vision tower counted, {setup.count_vision_tower}")
+    if est.host_bytes:
+        options.append(f"CPU offload: {gib(est.host_bytes)} of host memory per rank")
     return (
         f"Setup: {count(est.params)} parameters ({count(est.trainable_params)} trainable); "
         f"{', '.join(options)}."

@@ -421,6 +421,8 @@ class MemoryEstimate(BaseModel):
     trainable_params: int
     timeline: list[TimelinePoint] = Field(default_factory=list)
     reserved: ReservedPrediction | None = None
+    # CPU memory per rank under CPU offload (offloaded weights, gradients, optimizer states)
+    host_bytes: int = 0
     # analytic: the families' memory contracts; traced: the model's own code run on meta tensors
     method: Literal["analytic", "traced"] = "analytic"
 

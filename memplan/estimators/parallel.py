@@ -11,6 +11,9 @@ decoder layers, the tail of final norm and lm_head), entered and left in forward
   FSDP2 (docs/distributed.md).
 - Zero: DeepSpeed ZeRO stages 1-3 as accelerate configures them; predicted, not measured.
 
+Under CPU offload (FSDP2's CPUOffloadPolicy, ZeRO's offload_optimizer / offload_param) what the
+host holds leaves the walk: the layouts say so (optimizer_on_host) and host.py counts it.
+
 Rank 0 is modelled: FSDP2 gives it ceil(rows / N) rows of every parameter, the largest shard."""
 
 from __future__ import annotations
@@ -144,6 +147,15 @@ class OneGpu:
         """Bytes per element of the optimizer's states (ZeRO steps an fp32 master)."""
         return element
 
+    def optimizer_on_host(self) -> bool:
+        """True when the optimizer steps on the CPU (CPU offload): no state or step temporary
+        on the GPU."""
+        return False
+
+    def host_bytes(self) -> int:
+        """CPU memory the strategy's offload keeps per rank, beside the optimizer's states."""
+        return 0
+
     def optimizer_enter(self, builder: StepBuilder, run: RunTensors) -> list[int]:
         """What the step allocates before the optimizer's own step and frees after it."""
         return []
@@ -223,6 +235,8 @@ class Fsdp2(OneGpu):
         self.ranks = setup.gpus
         self.groups = model_groups(spec, setup)
         self.layers = spec.num_hidden_layers
+        # CPUOffloadPolicy: shards, their gradients and the optimizer on the CPU (pinned)
+        self.offload = setup.cpu_offload
         self._live: dict[str, _Live] = {}
         self._held_gather: int | None = None  # the last forward all-gather output
         self._held_reduce: int | None = None  # the last reduce-scatter input
@@ -242,7 +256,10 @@ class Fsdp2(OneGpu):
     def weight_tensors(
         self, elements: list[int], adapters: list[int], param_bytes: int
     ) -> list[int]:
-        """Rank 0's padded shard of every parameter, group by group in forward order."""
+        """Rank 0's padded shard of every parameter, group by group in forward order (none on
+        the GPU under offload)."""
+        if self.offload:
+            return []
         return [n for name in self.forward_order() for n in self.sharded(name)]
 
     def local_trainable(self, trainable: list[int]) -> list[int]:
@@ -258,24 +275,52 @@ class Fsdp2(OneGpu):
     def owns_gradients(self) -> bool:
         return True
 
+    def optimizer_on_host(self) -> bool:
+        return self.offload
+
+    def host_bytes(self) -> int:
+        """Under offload: rank 0's shards and their sharded gradients, in the stored dtype."""
+        if not self.offload:
+            return 0
+        order = self.forward_order()
+        shards = sum(n for name in order for n in self.sharded(name))
+        grads = sum(p.shard(self.ranks) * p.stored for n in order for p in self._group(n).trainable)
+        return shards + grads
+
     # ------------------------------------------------------------------ collectives
-    def _gather(self, builder: StepBuilder, name: str, category: str = "all_gather_buffers") -> int:
+    def _gather(self, builder: StepBuilder, name: str) -> int:
         """foreach_all_gather: the copy-in of the shards cast to the compute dtype (where it
         differs), the all-gather output (N shards), the copy-in freed."""
         group = self._group(name)
-        casting = any(p.computed != p.stored for p in group.params)
-        copy_in = builder.alloc(
-            category,
-            sum(p.shard(self.ranks) * p.computed for p in group.params) if casting else 0,
-            ALL_GATHER_STREAM,
-        )
+        if self.offload:
+            copy_ins = self._offloaded_copy_ins(builder, group)
+        else:
+            casting = any(p.computed != p.stored for p in group.params)
+            total = sum(p.shard(self.ranks) * p.computed for p in group.params)
+            copy_in = total if casting else 0
+            copy_ins = [builder.alloc("all_gather_buffers", copy_in, ALL_GATHER_STREAM)]
         output = builder.alloc(
-            category,
+            "all_gather_buffers",
             sum(self.ranks * p.shard(self.ranks) * p.computed for p in group.params),
             ALL_GATHER_STREAM,
         )
-        builder.free(copy_in)
+        builder.free_all(copy_ins)
         return output
+
+    def _offloaded_copy_ins(self, builder: StepBuilder, group: Group) -> list[int]:
+        """FSDPParam.all_gather_inputs under offload, per parameter: its CPU shard copied to the
+        GPU in the stored dtype, then cast to the compute dtype where it differs (the copy freed
+        at once); all held until the all-gather output has them."""
+        inputs = []
+        for p in group.params:
+            shard = p.shard(self.ranks)
+            copy = builder.alloc("all_gather_buffers", shard * p.stored, ALL_GATHER_STREAM)
+            if p.computed != p.stored:
+                cast = builder.alloc("all_gather_buffers", shard * p.computed, ALL_GATHER_STREAM)
+                builder.free(copy)
+                copy = cast
+            inputs.append(copy)
+        return inputs
 
     def _copy_out(self, builder: StepBuilder, name: str) -> list[int]:
         """The gathered weights, one padded tensor (N shards) per parameter."""
@@ -374,12 +419,18 @@ class Fsdp2(OneGpu):
         builder.free_all(live.gradients[i] for i in reversed(order[:-1]))
         shard_elements = sum(p.shard(self.ranks) for p in trainable)
         computed, stored = trainable[0].computed, trainable[0].stored
-        output = builder.alloc("gradients", shard_elements * computed, REDUCE_SCATTER_STREAM)
+        # under offload a reduce-scatter output that is cast is only a buffer: the cast is
+        # the gradient the host gets
+        category = "reduce_scatter_buffers" if self.offload and stored != computed else "gradients"
+        output = builder.alloc(category, shard_elements * computed, REDUCE_SCATTER_STREAM)
         if stored != computed:
             cast = builder.alloc("gradients", shard_elements * stored, REDUCE_SCATTER_STREAM)
             builder.free(output)
             output = cast
-        if run.gradients_by_group.get(group) is not None:  # accumulated in place
+        if self.offload:  # copied to the host per parameter; foreach_reduce drops the GPU one
+            builder.mark("backward", f"{group} gradients to the host")
+            builder.free(output)
+        elif run.gradients_by_group.get(group) is not None:  # accumulated in place
             builder.free(output)
         else:
             run.gradients_by_group[group] = output

@@ -589,9 +589,12 @@ class StepSizes:
 def optimizer_tensors(
     spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, layout: OneGpu
 ) -> tuple[list[list[int]], list[int]]:
-    """Per trainable tensor of this rank the bytes of its optimizer states, and the step's
-    temporaries alive at once: torch's foreach AdamW keeps one sqrt(exp_avg_sq) per tensor,
-    the fused one none, Adafactor (one tensor at a time) the largest tensor's estimate."""
+    """Per trainable tensor of this rank the bytes of its optimizer states on the GPU, and the
+    step's temporaries alive at once: torch's foreach AdamW keeps one sqrt(exp_avg_sq) per
+    tensor, the fused one none, Adafactor (one tensor at a time) the largest tensor's estimate;
+    none of either when the optimizer steps on the CPU (offload)."""
+    if layout.optimizer_on_host():
+        return [], []
     lora = bool(setup.lora_rank)
     element = layout.state_element(FP32 if lora else dtypes.param)
     tensors = layout.local_trainable(trainable_tensors(spec, setup))
@@ -612,6 +615,17 @@ def optimizer_tensors(
         )
         return states, [largest * element]
     return states, [n * w for n, w in zip(tensors, widths, strict=True)] if temp_elems else []
+
+
+def host_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """CPU memory per rank under CPU offload: what the strategy keeps there and the optimizer's
+    states, as they would be on the GPU without offload (0 without offload)."""
+    layout = layout_for(spec, setup)
+    if not layout.optimizer_on_host():
+        return 0
+    on_gpu = layout_for(spec, setup.model_copy(update={"cpu_offload": False}))
+    states, _ = optimizer_tensors(spec, setup, DtypePlan.of(setup.precision), on_gpu)
+    return layout.host_bytes() + sum(n for tensor in states for n in tensor)
 
 
 def router_weights_fp32(spec: ModelSpec, setup: TrainSetup) -> bool:
@@ -1527,6 +1541,7 @@ def estimate_step(
         + sum(counted_vision_tower(spec, setup)),
         trainable_params=sizes.trainable,
         timeline=steady.timeline(),
+        host_bytes=host_bytes(spec, setup),
     )
 
 

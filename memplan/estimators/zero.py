@@ -7,7 +7,15 @@ and their gradients are bf16 and the optimizer steps an fp32 master copy of rank
 with fp32 everything is fp32 (stage 3 then steps the partition itself). The reduce bucket is
 hidden_size**2 elements (the "auto" value), doubled by overlap_comm, which DeepSpeed turns on
 for stage 3 only; stage 3 prefetches 0.9 * hidden_size**2 elements and keeps a gathered
-parameter until 1e9 elements of others were used since (stage3_max_reuse_distance)."""
+parameter until 1e9 elements of others were used since (stage3_max_reuse_distance).
+
+CPU offload as accelerate configures it (offload_optimizer_device cpu, and offload_param_device
+cpu at stage 3): the fp32 partition, its gradient and AdamW's states live in pinned CPU memory
+and DeepSpeedCPUAdam steps them there; stages 1-2 keep a GPU staging buffer of the largest
+parameter's gradient (temp_grad_buffer_for_gpu_offload) and cast each partition slice to fp32
+on the GPU before its copy to the host; stage 3 keeps its bf16 partitions on the CPU too and
+gathers them to the GPU as without offload. Left out: the partitions' copies to the GPU before
+each stage 3 gather (1/N of a group's elements) and the per-parameter norms (scalars)."""
 
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ class Zero(OneGpu):
         self.stage = int(setup.strategy[-1])
         self.ranks = setup.gpus
         self.element = FP32 if setup.precision == "fp32" else 2  # bf16 mode otherwise
+        self.offload = setup.cpu_offload
         self.groups = model_groups(spec, setup)
         self.layers = spec.num_hidden_layers
         self.numel = {
@@ -69,11 +78,18 @@ class Zero(OneGpu):
     ) -> list[int]:
         if self.stage < 3:  # every rank keeps the whole model (a flat copy of the trained part)
             return [n * self.element for n in elements + adapters]
+        if self.offload:  # offload_param: the partitions stay on the CPU
+            return []
         # partitions, defragmented into one buffer
         return [-(-(self.total + sum(adapters)) // self.ranks) * self.element]
 
     def prepare(self, builder: StepBuilder, param_bytes: int, trainable: list[int]) -> list[int]:
         builder.at("start", "ZeRO partitions")
+        if self.offload:
+            if self.stage == 3:
+                return [builder.alloc("reduce_scatter_buffers", self.bucket * self.element)]
+            # the GPU staging buffer of the largest parameter's gradient
+            return [builder.alloc("gradients", self._largest() * self.element)]
         kept = []
         if self.stage < 3 or self.element != FP32:  # the fp32 master of rank 0's partition
             kept.append(builder.alloc("optimizer_states", self.partition * FP32))
@@ -87,6 +103,26 @@ class Zero(OneGpu):
 
     def state_element(self, element: int) -> int:
         return FP32
+
+    def optimizer_on_host(self) -> bool:
+        return self.offload
+
+    def host_bytes(self) -> int:
+        """Under offload, read off DeepSpeed's code (not measured): the fp32 partition and its
+        fp32 gradient; stages 1-2 a low-precision copy of the partition and a staging buffer of
+        the largest parameter; stage 3 its low-precision partitions and their gradients."""
+        if not self.offload:
+            return 0
+        fp32 = 2 * self.partition * FP32
+        if self.stage < 3:
+            return fp32 + (self.partition + self._largest()) * self.element
+        master = fp32 if self.element != FP32 else self.partition * FP32  # fp32: the partition
+        params = -(-self.total // self.ranks) * self.element
+        return master + params + self.partition * self.element
+
+    def _largest(self) -> int:
+        """Elements of the largest trainable parameter."""
+        return max((p.numel for g in self.groups.values() for p in g.trainable), default=0)
 
     def gradient_bytes(self, param_bytes: int) -> int:
         return self.element
@@ -146,8 +182,10 @@ class Zero(OneGpu):
             held += builder.alloc_all(
                 "reduce_scatter_buffers", [min(sum(sizes), self.bucket * self.element)]
             )
-        builder.mark("backward", f"{group} backward")
+        builder.mark("backward", f"{group} backward", self._to_host(sum(p.numel for p in params)))
         builder.free_all(held)
+        if self.offload:  # the partition's gradient goes to the host
+            return
         if self.stage == 2 and not run.gradients and self._reaches_partition(group):
             run.gradients.append(builder.alloc("gradients", self.partition * self.element))
 
@@ -157,6 +195,13 @@ class Zero(OneGpu):
             self._grads.append(tensor)
         else:
             builder.free(tensor)
+
+    def _to_host(self, elements: int) -> list[int]:
+        """Under offload at stages 1-2, the fp32 cast of a partition slice of `elements` (at
+        most one parameter's) made on the GPU before its copy to the host."""
+        if not self.offload or self.stage == 3 or self.element == FP32:
+            return []
+        return [min(elements, self._largest(), self.partition) * FP32]
 
     def _reaches_partition(self, group: str) -> bool:
         """Whether this group holds rank 0's first partition element's gradient owners: the
@@ -175,12 +220,16 @@ class Zero(OneGpu):
             self._release(builder, group, False, 0)
 
     def backward_end(self, builder: StepBuilder, run: RunTensors, sync: bool) -> None:
-        if self.stage == 1:  # reduced into rank 0's partition at the end of backward
+        if self.stage == 1 and self.offload:  # reduced through the bucket to the host
+            builder.mark("backward", "ZeRO-1 reduces the gradients", self._to_host(self.partition))
+            builder.free_all(self._grads)
+            self._grads = []
+        elif self.stage == 1:  # reduced into rank 0's partition at the end of backward
             run.gradients.append(builder.alloc("gradients", self.partition * self.element))
             builder.mark("backward", "ZeRO-1 reduces the gradients")
             builder.free_all(self._grads)
             self._grads = []
-        elif self.stage == 2 and not run.gradients:
+        elif self.stage == 2 and not run.gradients and not self.offload:
             run.gradients.append(builder.alloc("gradients", self.partition * self.element))
         builder.free_all(self._ipg)
         self._ipg = []
@@ -190,8 +239,11 @@ class Zero(OneGpu):
     def optimizer_enter(self, builder: StepBuilder, run: RunTensors) -> list[int]:
         """The step's own temporaries before the optimizer's: the fp64 norm of the largest
         partition slice, then the fp32 copy of the flat partition gradient (kept through the
-        optimizer's step) once the low-precision one is freed."""
-        largest = max((p.numel for g in self.groups.values() for p in g.trainable), default=0)
+        optimizer's step) once the low-precision one is freed; under offload both are the
+        host's."""
+        if self.offload:
+            return []
+        largest = self._largest()
         builder.mark("optimizer", "gradient norm", [min(largest, self.partition) * NORM_BYTES])
         fp32 = builder.alloc("transient", self.partition * FP32)
         builder.mark("optimizer", "fp32 gradient partition")
