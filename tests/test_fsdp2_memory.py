@@ -3,12 +3,16 @@ memplan verify prepares it (accelerate's fsdp2_prepare_model over a fake process
 ranks, on the CPU), trained two steps while every storage is tracked, those FSDP2 owns told
 apart (rank 0's shards, gathered weights, all-gather and reduce-scatter buffers, unsharded and
 sharded gradients, optimizer states and the step's temporaries). Their bytes alive at each
-point of the run, peak and end of each phase, equal the analytic walk's to the byte."""
+point of the run, peak and end of each phase, equal the analytic walk's to the byte. Under CPU
+offload (CPUOffloadPolicy) the bytes compared are those a GPU would hold: the shards, their
+gradients and the optimizer's states are the host's."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import itertools
 import weakref
 
 import pytest
@@ -90,6 +94,12 @@ class StorageLedger:
         if key in self.current:
             self.owned.add(self.current[key][0])
 
+    def disown(self, tensor: torch.Tensor) -> None:
+        """Leave a storage out of the owned bytes, from its allocation on (the host's)."""
+        key = _local(tensor).untyped_storage()._cdata
+        if key in self.current:
+            self.owned.discard(self.current[key][0])
+
     def owned_at_marks(self) -> list[int]:
         """Owned bytes alive at each mark."""
         return [
@@ -130,7 +140,7 @@ def _inside(ledger: StorageLedger, fn):
 
 
 @contextlib.contextmanager
-def tracking(ledger: StorageLedger):
+def tracking(ledger: StorageLedger, host_optimizer: bool = False):
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_module
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -171,8 +181,9 @@ def tracking(ledger: StorageLedger):
         (group_module, "foreach_all_gather_copy_out"),
         (group_module, "foreach_reduce"),
         (group_module.FSDPParamGroup, "reshard"),
-        (torch.optim.AdamW, "step"),
     ]
+    if not host_optimizer:  # under offload the optimizer steps on the host
+        patches.append((torch.optim.AdamW, "step"))
     saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
     saved.append(
         (group_module.FSDPParamGroup, "post_backward", group_module.FSDPParamGroup.post_backward)
@@ -241,15 +252,32 @@ def build_model(setup: TrainSetup, config: dict) -> torch.nn.Module:
     return model
 
 
+def copy_shards_in(model: torch.nn.Module) -> None:
+    """On the CPU, FSDP2's copy of an offloaded shard to its device returns the shard itself; a
+    device of another index (cpu:0) makes it the copy that a GPU makes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    assert fsdp_param.offload_to_cpu and not fsdp_param.pin_memory
+                    fsdp_param.device = torch.device("cpu", 0)
+
+
 def measure(setup: TrainSetup, config: dict) -> StorageLedger:
     model = build_model(setup, config)
     ledger = StorageLedger()
     distributed.init_process_group(setup, "cpu")
+    offload = setup.cpu_offload
     try:
         model = distributed.prepare(model, setup, "cpu")
-        with tracking(ledger):
+        if offload:
+            copy_shards_in(model)
+        with tracking(ledger, host_optimizer=offload):
             for param in model.parameters():
-                ledger.track(_local(param).untyped_storage(), owned=True)
+                if not offload:  # offloaded shards are the host's
+                    ledger.track(_local(param).untyped_storage(), owned=True)
             ledger.phase = "step 0 forward"
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
             ids = torch.randint(0, config["vocab_size"], (setup.batch, setup.seq))
@@ -262,6 +290,9 @@ def measure(setup: TrainSetup, config: dict) -> StorageLedger:
                     ledger.phase = f"step {step} backward"
                     loss.backward()
                     del loss
+                for param in model.parameters():  # the sharded gradients: the host's
+                    if offload and param.grad is not None:
+                        ledger.disown(param.grad)
                 ledger.phase = f"step {step} optimizer"
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -274,20 +305,27 @@ def measure(setup: TrainSetup, config: dict) -> StorageLedger:
 def predict(setup: TrainSetup, config: dict, until: str | None = None) -> list[list[int]]:
     """The analytic walk's owned bytes alive after each event (raw: the CPU rounds nothing),
     per step (the walk plays the build, step 1 and one steady step); with `until`, each step's
-    list ends before the first event of that label."""
+    list ends before the first event of that label. Under offload the reduced gradients, which
+    the host gets, are left out as the measurement leaves them out."""
+    owned = OWNED - {"gradients"} if setup.cpu_offload else OWNED
     spec = spec_from_config(config)
     sizes = step_sizes(spec, setup, None, "cpu")
     _, log = walk_run(spec, setup, sizes, steady_steps=1, record=True)
     steps: list[list[int]] = [[]]
-    total, live, previous, stopped = 0, {}, "start", False
+    total, live, previous, stopped, starts = 0, {}, "start", False, 0
     for event in log.events:
-        if previous == "optimizer" and event.phase != "optimizer":
+        new_step = previous == "optimizer" and event.phase != "optimizer"
+        if event.phase == "start" and previous != "start":  # a micro-step begins
+            starts += 1
+            # under offload no optimizer event on the device marks the step's end
+            new_step = new_step or (setup.cpu_offload and starts % setup.grad_accum == 0)
+        if new_step:
             steps.append([])
             stopped = False
         previous = event.phase
         stopped = stopped or event.label == until
         optimizer_temporary = event.phase == "optimizer" and event.category == "transient"
-        if event.category not in OWNED and not optimizer_temporary:
+        if event.category not in owned and not optimizer_temporary:
             continue
         if event.action == "alloc":
             live[event.tensor] = event.nbytes
@@ -337,6 +375,44 @@ def test_fsdp2_owns_what_the_model_says(options: dict) -> None:
             assert max(measured) == max(steps[step][-len(measured) :]), f"step {step + 1} step"
         else:
             assert max(measured) == max(steps[step]), f"step {step + 1} peak"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"gpus": 4}, id="bf16"),
+        pytest.param({"gpus": 3, "precision": "amp-bf16"}, id="amp-uneven"),
+        pytest.param(
+            {"gpus": 4, "grad_checkpointing": True, "grad_accum": 2},
+            id="ckpt-accum",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_fsdp2_cpu_offload_holds_on_the_device_what_the_model_says(options: dict) -> None:
+    """CPUOffloadPolicy: each group's shards copied in one by one (cast after the copy under
+    amp) for its all-gather, the reduced shard going to the host; nothing kept between steps.
+    Without accumulation every allocation and free is the walk's, though autograd writes a
+    layer's gradients in an order of its own."""
+    config = {**TINY, "tie_word_embeddings": False}
+    setup = TrainSetup(batch=2, seq=32, strategy="fsdp2", cpu_offload=True, **options)
+    ledger = measure(setup, config)
+    trace, steps = ledger.owned_trace(), predict(setup, config)
+    for step in (0, 1):
+        measured = [b for p, b in trace if p.startswith(f"step {step}")]
+        assert max(measured) == max(steps[step]), f"step {step + 1} peak"
+        assert measured[-1] == steps[step][-1] == 0, f"after step {step + 1}"
+        if setup.grad_accum == 1:
+            assert _changes(measured) == _changes(steps[step]), f"step {step + 1} events"
+    at_loss = predict(setup, config, until="logits gradient")
+    # each step's first micro-step, at its loss's backward
+    first = ledger.owned_at_marks()[:: setup.grad_accum]
+    assert first == [at_loss[0][-1], at_loss[1][-1]]
+
+
+def _changes(totals: list[int]) -> collections.Counter:
+    """The allocations and frees (bytes, signed) that make a run of totals starting from 0."""
+    return collections.Counter(b - a for a, b in itertools.pairwise([0, *totals]))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

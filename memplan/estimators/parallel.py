@@ -304,7 +304,7 @@ class Fsdp2(OneGpu):
             sum(self.ranks * p.shard(self.ranks) * p.computed for p in group.params),
             ALL_GATHER_STREAM,
         )
-        builder.free_all(copy_ins)
+        builder.free_all(reversed(copy_ins))  # a list's items go last to first
         return output
 
     def _offloaded_copy_ins(self, builder: StepBuilder, group: Group) -> list[int]:

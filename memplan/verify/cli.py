@@ -163,6 +163,12 @@ def _profile_tables(m: Measurement, top: int = 10) -> list[Any]:
     show_default=True,
     help="FSDP2: decoder layers free their gathered weights after forward",
 )
+@click.option(
+    "--cpu-offload",
+    is_flag=True,
+    help="FSDP2: shards, gradients and the optimizer step on the CPU (CPUOffloadPolicy); "
+    "ZeRO's offload is predicted only (memplan advise)",
+)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--steps", default="3", show_default=True, help="optimizer steps measured (>= 3)")
 @click.option(
@@ -238,10 +244,12 @@ def verify_command(**opts: Any) -> None:
 
 
 def _parallelism(opts: dict[str, Any]) -> dict[str, Any]:
-    """The setup options of --gpus, --strategy and --no-reshard-after-forward, checked."""
+    """The setup options of --gpus, --strategy, --no-reshard-after-forward and --cpu-offload,
+    checked."""
     gpus = positive_int("--gpus", opts["gpus"])
     if gpus is not None and gpus > 1 and opts["strategy"] is None:
         raise UsageError(f"--gpus {gpus} needs --strategy ddp, fsdp2 or zero1/2/3")
+    _check_offload(opts["strategy"], opts["cpu_offload"])
     if opts["strategy"] in TORCHRUN_STRATEGIES and importlib.util.find_spec("deepspeed") is None:
         raise MemplanError(
             f"--strategy {opts['strategy']} needs DeepSpeed, which this Python cannot import "
@@ -252,7 +260,22 @@ def _parallelism(opts: dict[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {"gpus": gpus or 1, "strategy": opts["strategy"]}
     if not opts["reshard_after_forward"]:
         options["reshard_after_forward"] = False
+    if opts["cpu_offload"]:
+        options["cpu_offload"] = True
     return options
+
+
+def _check_offload(strategy: str | None, offload: bool) -> None:
+    """--cpu-offload is measured under FSDP2 only: DeepSpeed's offload steps with its CPU Adam,
+    a compiled op that a DeepSpeed built without its ops (DS_BUILD_OPS=0) lacks."""
+    if not offload or strategy == "fsdp2":
+        return
+    if strategy in TORCHRUN_STRATEGIES:
+        raise UsageError(
+            f"--strategy {strategy} with --cpu-offload is predicted only, not measured "
+            "(DeepSpeed's CPU Adam needs its compiled ops): memplan advise predicts it"
+        )
+    raise UsageError("--cpu-offload needs --strategy fsdp2 (zero1/2/3: predicted only)")
 
 
 def _show(report: Report, opts: dict[str, Any]) -> None:

@@ -119,7 +119,7 @@ def prepare(model: Any, setup: TrainSetup, device: str) -> Any:
             reshard_after_forward=setup.reshard_after_forward,
             auto_wrap_policy="transformer_based_wrap",
             cpu_ram_efficient_loading=True,
-            cpu_offload=setup.cpu_offload,
+            cpu_offload=_offload_policy(setup, device),
         )
         if mixed != "no":
             plugin.set_mixed_precision(mixed)
@@ -138,6 +138,16 @@ def prepare(model: Any, setup: TrainSetup, device: str) -> Any:
     if mixed != "no":
         model = _autocast_forward(model, mixed, device)
     return model
+
+
+def _offload_policy(setup: TrainSetup, device: str) -> Any:
+    """accelerate's CPUOffloadPolicy (pinned shards) for --cpu-offload; pinning needs a GPU, so
+    CPU ranks (the tests) keep their shards in plain memory, which moves nothing on a GPU."""
+    if not setup.cpu_offload:
+        return False
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device != "cpu")
 
 
 def sync_gradients(model: Any, sync: bool) -> None:
@@ -164,10 +174,14 @@ def _autocast_forward(model: Any, mixed: str, device: str) -> Any:
 def deepspeed_config(setup: TrainSetup, hidden_size: int) -> dict[str, Any]:
     """The DeepSpeed config accelerate gives ZeRO with the Hugging Face "auto" sizes filled from
     the model's hidden size (Accelerator._prepare_deepspeed), as memplan.estimators.zero models
-    it: bf16 mode unless the setup is fp32, no offload, DeepSpeed's defaults elsewhere
+    it: bf16 mode unless the setup is fp32, no offload (predicted only), DeepSpeed's defaults
+    elsewhere
     (overlap_comm on for stage 3 only, stage3_max_reuse_distance 1e9)."""
     if setup.cpu_offload:
-        raise MemplanError(f"{setup.strategy} with CPU offload is predicted only (not modelled)")
+        raise MemplanError(
+            f"{setup.strategy} with CPU offload is predicted only, not measured (DeepSpeed's CPU "
+            "Adam needs its compiled ops)"
+        )
     mixed = DEEPSPEED_MIXED_PRECISION[setup.precision]
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": setup.batch,

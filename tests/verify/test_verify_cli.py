@@ -47,6 +47,15 @@ def invoke(command, args):
         (BASE + ["--kernels", "rms_norm,warp_drive"], "Error: unknown kernel 'warp_drive'"),
         (BASE + ["--kernels", "geglu"], "Error: kernel 'geglu' does not apply to qwen3"),
         (BASE + ["--precision", "fp8"], "Error: precision: Input should be"),
+        (BASE + ["--cpu-offload"], "Error: --cpu-offload needs --strategy fsdp2"),
+        (
+            BASE + ["--gpus", "2", "--strategy", "ddp", "--cpu-offload"],
+            "Error: --cpu-offload needs --strategy fsdp2",
+        ),
+        (
+            BASE + ["--gpus", "2", "--strategy", "zero3", "--cpu-offload"],
+            "Error: --strategy zero3 with --cpu-offload is predicted only, not measured",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_exit_2(monkeypatch, args, message):
@@ -189,6 +198,16 @@ def test_layers_override_builds_a_cut_model(monkeypatch, fake_estimator):
     case = launcher.cases[0]
     assert case.hf_config["num_hidden_layers"] == 4
     assert case.case.startswith("llama-3-8b-l4_b4_s1024")
+
+
+def test_cpu_offload_measures_fsdp2_with_its_policy(monkeypatch, fake_estimator):
+    launcher = use_child(monkeypatch, lambda case: ok_result())
+    args = BASE + ["--gpus", "8", "--strategy", "fsdp2", "--cpu-offload"]
+    result = invoke(verify_command, args)
+    assert result.exit_code == 0, result.output
+    case = launcher.cases[0]
+    assert case.setup.cpu_offload and case.setup.gpus == 8
+    assert "_fsdp2x8_offload_" in case.case
 
 
 def test_profile_tables(monkeypatch, fake_estimator):
