@@ -89,3 +89,65 @@ def test_real_ranks_prepare_and_train(strategy: str) -> None:
     expected_rows = vocab // 2 if strategy == "fsdp2" else vocab
     assert [rows for _, _, rows, _ in got] == [expected_rows] * 2
     assert got[0][3] == pytest.approx(got[1][3])  # rank 0's weights reached every rank
+
+
+def _offload_rank(rank: int, world: int, port: int, results) -> None:
+    become_rank(rank, world, port)
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(rank)
+    setup = TrainSetup(batch=2, seq=16, strategy="fsdp2", gpus=world, cpu_offload=True)
+    fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama", **fields), dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).train()
+    distributed.init_process_group(setup, "cpu")
+    try:
+        model = distributed.prepare(model, setup, "cpu")
+        offloaded = [
+            (p.offload_to_cpu, p.pin_memory)
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups
+            for p in g.fsdp_params
+        ]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 16), generator=torch.Generator())
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+
+        def nbytes(tensor: torch.Tensor) -> int:
+            local = tensor.to_local()
+            return local.numel() * local.element_size()
+
+        params = list(model.parameters())
+        held = {
+            "shards": sum(nbytes(p) for p in params),
+            "gradients": sum(nbytes(p.grad) for p in params),
+            "states": sum(
+                nbytes(opt.state[p][name]) for p in params for name in ("exp_avg", "exp_avg_sq")
+            ),
+        }
+        results.put((rank, offloaded, held, float(loss)))
+    finally:
+        distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_cpu_offload_over_real_ranks_holds_what_the_host_line_says() -> None:
+    """FSDP2 with CPUOffloadPolicy over three gloo ranks (uneven shards): every parameter is
+    offloaded, and rank 0's shards, their gradients and AdamW's states after a step are the
+    host memory advise reports."""
+    from memplan.catalog import spec_from_config
+    from memplan.estimators.timeline import host_bytes
+
+    got = run_ranks(_offload_rank, 3)
+    rank0 = got[0]
+    assert rank0[1] and all(flags == (True, False) for flags in rank0[1])
+    setup = TrainSetup(batch=2, seq=16, strategy="fsdp2", gpus=3, cpu_offload=True)
+    held = rank0[2]
+    assert held["states"] == 2 * held["shards"] == 2 * held["gradients"]  # bf16 AdamW
+    assert sum(held.values()) == host_bytes(spec_from_config(TINY_LLAMA), setup)
+    assert got[1][3] == pytest.approx(got[0][3]) == pytest.approx(got[2][3])
