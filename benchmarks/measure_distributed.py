@@ -1,8 +1,9 @@
 """Rank 0's memory under FSDP2 and DDP, measured on one GPU (docs/distributed.md): 30 cases of
 world sizes 2 to 64, with and without resharding after forward, bf16 and amp, kernels off and
 the advisor's plan, checkpointing, accumulation, a dense, a tied and an MoE family; the
-mission's gemma-7b batch 8 x 4096 at the FSDP2 count advise gives and one fewer; and 5 cases of
-DeepSpeed ZeRO 1-3 on 2 GPUs, which run as torchrun processes only (--ranks torchrun).
+mission's gemma-7b batch 8 x 4096 at the FSDP2 count advise gives and one fewer; 4 cases of
+FSDP2 with CPU offload (two models, 2 and 8 ranks, with and without checkpointing); and 5 cases
+of DeepSpeed ZeRO 1-3 on 2 GPUs, which run as torchrun processes only (--ranks torchrun).
 
     python benchmarks/measure_distributed.py predict --gpu h100 --out PREDICTIONS.json
     python benchmarks/measure_distributed.py measure PREDICTIONS.json --out-dir DIR [--only RE]
@@ -162,6 +163,49 @@ CASES: list[tuple[str, int | None, str, dict[str, Any]]] = [
         {"batch": 8, "strategy": "fsdp2", "gpus": 8, "grad_checkpointing": True},
     ),
     ("gemma-2b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 2, "grad_accum": 2}),
+    # FSDP2 with CPUOffloadPolicy: shards, gradients and AdamW on the host
+    (
+        "llama-3.2-1b",
+        None,
+        "none",
+        {"batch": 4, "strategy": "fsdp2", "gpus": 2, "cpu_offload": True},
+    ),
+    (
+        "llama-3.2-1b",
+        None,
+        "none",
+        {
+            "batch": 8,
+            "strategy": "fsdp2",
+            "gpus": 8,
+            "grad_checkpointing": True,
+            "cpu_offload": True,
+        },
+    ),
+    (
+        "qwen3-0.6b",
+        None,
+        "auto",
+        {
+            "batch": 8,
+            "strategy": "fsdp2",
+            "gpus": 2,
+            "grad_checkpointing": True,
+            "cpu_offload": True,
+        },
+    ),
+    (
+        "qwen3-0.6b",
+        None,
+        "none",
+        {
+            "batch": 8,
+            "strategy": "fsdp2",
+            "gpus": 8,
+            "precision": "amp-bf16",
+            "cpu_offload": True,
+        },
+    ),
     # DeepSpeed ZeRO through accelerate: real ranks only (measure --ranks torchrun --only zero)
     ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "zero1", "gpus": 2}),
     ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "zero2", "gpus": 2}),

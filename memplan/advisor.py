@@ -489,6 +489,8 @@ def advise(
             f"({entry.hf_id}), the closest name: give a config.json path for another config"
         )
     warnings += notes
+    if base.cpu_offload and base.strategy is not None:
+        warnings.append(offload_check(base.strategy))
     warnings += vision_tower_note(spec, count_vision_tower, DtypePlan.of(precision).param)
     if seq > spec.max_position_embeddings:
         warnings.append(
@@ -792,7 +794,17 @@ STRATEGY_CHECKS = {
     "zero3": "from DeepSpeed's code; unmeasured",
 }
 # How CPU offload's model was checked (docs/distributed.md).
-OFFLOAD_CHECK = "CPU offload: from the framework's code; unmeasured"
+OFFLOAD_CHECKS = {
+    "fsdp2": "CPU offload predicted from torch's code, checked on the CPU; unmeasured on a GPU",
+    "zero": "CPU offload predicted from DeepSpeed's code; unmeasured (verify cannot run its "
+    "CPU Adam)",
+}
+
+
+def offload_check(strategy: str) -> str:
+    return OFFLOAD_CHECKS["fsdp2" if strategy == "fsdp2" else "zero"]
+
+
 # The order advise lists them in: the least communication first among those that shard.
 GPU_COUNT_STRATEGIES = ("fsdp2", "zero2", "zero3", "zero1", "ddp")
 
@@ -869,7 +881,7 @@ def gpu_counts(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> list[GpuCount]:
                 peak_bytes=judged.peak_bytes,
                 reserved_bytes=reserved.reserved_bytes if reserved and reserved.runs else 0,
                 change=change,
-                checked=OFFLOAD_CHECK if offload else STRATEGY_CHECKS[strategy],
+                checked=offload_check(strategy) if offload else STRATEGY_CHECKS[strategy],
                 why_none=why,
                 accelerate_config=accelerate_config(
                     setup.model_copy(

@@ -239,9 +239,10 @@ def test_build_trainer_gives_a_warmed_up_protocol_step(fake_cuda):
         {"strategy": "fsdp2", "gpus": 4},
         {"strategy": "fsdp2", "gpus": 8, "reshard_after_forward": False, "precision": "amp-bf16"},
         {"strategy": "fsdp2", "gpus": 2, "grad_checkpointing": True},
+        {"strategy": "fsdp2", "gpus": 4, "cpu_offload": True, "precision": "amp-bf16"},
         {"strategy": "ddp", "gpus": 4},
     ],
-    ids=["fsdp2", "fsdp2-keep-amp", "fsdp2-gc", "ddp"],
+    ids=["fsdp2", "fsdp2-keep-amp", "fsdp2-gc", "fsdp2-offload-amp", "ddp"],
 )
 def test_strategies_run_as_accelerate_prepares_them(fake_cuda, setup):
     """FSDP2 over a fake group of `gpus` ranks (rank 0's shards are real tensors), DDP over a
@@ -277,6 +278,14 @@ def test_strategies_run_as_accelerate_prepares_them(fake_cuda, setup):
         ]
         rows = TINY_LLAMA["vocab_size"] // setup["gpus"]
         assert model.lm_head.weight.to_local().shape[0] == rows
+        offloaded = {
+            p.offload_to_cpu
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups
+            for p in g.fsdp_params
+        }
+        assert offloaded == {setup.get("cpu_offload", False)}
     else:
         assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
