@@ -99,6 +99,14 @@ class ModelSpec(BaseModel):
     # The leading dims of each head that RoPE rotates (GLM-4.5's partial_rotary_factor); None:
     # all of head_dim.
     rotary_dim: int | None = Field(default=None, gt=0)
+    # DeepSeek-V3's multi-head latent attention (MLA): q from q_proj, or through a q_lora_rank
+    # wide q_a_proj, q_a_layernorm and q_b_proj; k and v from kv_a_proj_with_mqa's
+    # kv_lora_rank wide latent (after kv_a_layernorm) through kv_b_proj, beside one shared
+    # rotated key of rotary_dim; head_dim is q's and k's (qk_nope + qk_rope), v_head_dim v's.
+    # kv_lora_rank 0: not MLA; q_lora_rank 0: q_proj.
+    kv_lora_rank: int = Field(default=0, ge=0)
+    q_lora_rank: int = Field(default=0, ge=0)
+    v_head_dim: int = Field(default=0, ge=0)
     # gpt-oss: cos/sin head_dim / 2 wide, applied to both halves of each head.
     rope_half_tables: bool = False
     # gpt-oss: a learned sink logit per attention head, concatenated to the scores (eager).
@@ -195,6 +203,13 @@ class ModelSpec(BaseModel):
             )
         if self.rotary_dim is not None and self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim ({self.rotary_dim}) exceeds head_dim ({self.head_dim})")
+        if self.kv_lora_rank and not (self.v_head_dim and self.rotary_dim):
+            raise ValueError("latent attention (kv_lora_rank) needs v_head_dim and rotary_dim")
+        if self.kv_lora_rank and self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                "latent attention builds k and v for every head: num_key_value_heads "
+                "must equal num_attention_heads"
+            )
         if any(not 0 <= i < self.num_hidden_layers for i in self.global_layers):
             raise ValueError(f"global_layers {self.global_layers} name layers the model lacks")
         heads = self.global_key_value_heads
@@ -220,6 +235,21 @@ class ModelSpec(BaseModel):
         model its dense layers and its shared experts."""
         shared = self.shared_expert_intermediate_size > 0
         return not self.num_experts or bool(self.dense_layers) or shared
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3's): q, k and v from low-rank latents."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_nope_dim(self) -> int:
+        """Of each q and k head, the dims RoPE leaves alone (MLA: qk_nope_head_dim)."""
+        return self.head_dim - self.rotated_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Each value head's width: v_head_dim under MLA, else head_dim."""
+        return self.v_head_dim or self.head_dim
 
     @property
     def rotated_dim(self) -> int:

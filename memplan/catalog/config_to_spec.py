@@ -69,7 +69,8 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     heads = _positive_int(cfg, "num_attention_heads")
     layers = _positive_int(cfg, "num_hidden_layers")
     kv_heads = _optional_positive_int(cfg, "num_key_value_heads") or heads
-    head_dim = _optional_positive_int(cfg, "head_dim") or hidden // heads
+    latent = _latent_attention(rules, cfg, model_type, heads, kv_heads)
+    head_dim = latent.get("head_dim") or _optional_positive_int(cfg, "head_dim") or hidden // heads
     if head_dim == 0:
         raise MemplanError(
             f"hidden_size ({hidden}) is smaller than num_attention_heads ({heads}) and no "
@@ -118,7 +119,10 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "post_norm": rules.post_norm,
         "rope_in_fp32": rules.rope_in_fp32,
         "rope_tables": _rope_tables(rules, cfg, layers),
-        "rotary_dim": _rotary_dim(rules, cfg, head_dim),
+        "rotary_dim": latent.get("rotary_dim") or _rotary_dim(rules, cfg, head_dim),
+        "kv_lora_rank": latent.get("kv_lora_rank", 0),
+        "q_lora_rank": latent.get("q_lora_rank", 0),
+        "v_head_dim": latent.get("v_head_dim", 0),
         "rope_half_tables": rules.rope_half_tables,
         "attention_sinks": rules.attention_sinks,
         "fused_qkv": rules.fused,
@@ -395,6 +399,38 @@ def _check_llama4_scale(cfg: dict[str, Any], model_type: str) -> None:
                 f"original_max_position_embeddings, and this config's rope_parameters gives no "
                 f"{key}: transformers' {model_type} attention cannot run it"
             )
+
+
+def _latent_attention(
+    rules: ConfigRules, cfg: dict[str, Any], model_type: str, heads: int, kv_heads: int
+) -> dict[str, int]:
+    """DeepSeek-V3's multi-head latent attention (ConfigRules.latent_attention): q and k heads of
+    qk_nope_head_dim + qk_rope_head_dim (the config's head_dim, which transformers sets to the
+    rotated width, is not theirs), v heads of v_head_dim, the latents' ranks (q_lora_rank null:
+    a plain q_proj); empty for other families."""
+    if not rules.latent_attention:
+        return {}
+    if kv_heads != heads:
+        raise MemplanError(
+            f"{model_type} with num_key_value_heads {kv_heads} and num_attention_heads {heads} "
+            "is not modelled: its latent attention builds k and v for every head (eager "
+            "attention fails on transformers 5.17 unless the two are equal)"
+        )
+    if _probability(cfg, "attention_dropout"):
+        raise MemplanError(
+            f"{model_type} with attention_dropout {_show(cfg['attention_dropout'])} is not "
+            "supported: memplan models its latent attention without dropout (attention_dropout 0)"
+        )
+    rope = _positive_int(cfg, "qk_rope_head_dim")
+    if rope % 2:
+        raise _bad_value("qk_rope_head_dim", rope, "an even positive integer")
+    return {
+        "head_dim": _positive_int(cfg, "qk_nope_head_dim") + rope,
+        "rotary_dim": rope,
+        "kv_lora_rank": _positive_int(cfg, "kv_lora_rank"),
+        "q_lora_rank": _optional_positive_int(cfg, "q_lora_rank") or 0,
+        "v_head_dim": _positive_int(cfg, "v_head_dim"),
+    }
 
 
 def _check_sinks_dropout(cfg: dict[str, Any], model_type: str) -> None:

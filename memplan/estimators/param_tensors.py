@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.estimators.params import moe_rules, qk_norm_widths
+from memplan.estimators.params import latent_attention_tensors, moe_rules, qk_norm_widths
 from memplan.schema import ModelSpec
 
 Shape = tuple[int, int]  # (dim 0, the product of the other dims)
@@ -120,6 +120,8 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
         attention.append((h, 1))
     if not spec.v_norm:
         attention += qk_norms
+    if spec.mla:
+        attention = [(rows, cols) for _, rows, cols in latent_attention_tensors(spec)]
     dense = dense_mlp_shapes(spec, spec.intermediate_size)
     mlp = moe_shapes(spec) if spec.num_experts else dense
     norm: list[Shape] = [(h, 1), (h, 1)] if spec.norm == "layer" else [(h, 1)]

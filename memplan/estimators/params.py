@@ -43,6 +43,9 @@ def layer_linear_params(layer: ModelSpec, index: int) -> int:
         attn += q_out + projections * kv_out
     if layer.attention_out_bias:
         attn += h
+    if layer.mla:
+        attn = sum(rows * cols for name, rows, cols in latent_attention_tensors(layer))
+        attn -= sum(latent_norm_widths(layer))
     if layer.moe_layer(index):
         mlp = h * layer.num_experts + layer.num_experts * 3 * h * layer.moe_intermediate_size
         mlp += layer.num_experts * sum(moe_bias_widths(layer))
@@ -58,7 +61,8 @@ def layer_other_params(layer: ModelSpec) -> int:
     norm_width = 2 * layer.hidden_size if layer.norm == "layer" else layer.hidden_size
     n_norms = 4 if layer.sandwich_norm else 2
     sinks = layer.num_attention_heads if layer.attention_sinks else 0
-    return n_norms * norm_width + sum(qk_norm_widths(layer)) + sinks
+    latent = sum(latent_norm_widths(layer))
+    return n_norms * norm_width + sum(qk_norm_widths(layer)) + sinks + latent
 
 
 def count_params(spec: ModelSpec) -> ParamCounts:
@@ -89,6 +93,36 @@ def moe_bias_widths(spec: ModelSpec) -> tuple[int, ...]:
     return router + experts
 
 
+def latent_attention_tensors(spec: ModelSpec) -> list[tuple[str, int, int]]:
+    """DeepSeek-V3's latent attention parameters in registration order, as (module, rows,
+    columns): q_proj, or q_a_proj (its bias where attention_bias), q_a_layernorm and q_b_proj;
+    kv_a_proj_with_mqa (bias likewise), kv_a_layernorm, kv_b_proj; o_proj (bias likewise)."""
+    h, nh, hd = spec.hidden_size, spec.num_attention_heads, spec.head_dim
+    q_rank, kv_rank, rope = spec.q_lora_rank, spec.kv_lora_rank, spec.rotated_dim
+    bias = spec.attention_bias
+
+    def linear(name: str, fan_in: int, fan_out: int, biased: bool) -> list[tuple[str, int, int]]:
+        return [(name, fan_out, fan_in)] + ([(name, fan_out, 1)] if biased else [])
+
+    if q_rank:
+        tensors = linear("q_a_proj", h, q_rank, bias) + [("q_a_layernorm", q_rank, 1)]
+        tensors += linear("q_b_proj", q_rank, nh * hd, False)
+    else:
+        tensors = linear("q_proj", h, nh * hd, False)
+    tensors += linear("kv_a_proj_with_mqa", h, kv_rank + rope, bias)
+    tensors += [("kv_a_layernorm", kv_rank, 1)]
+    tensors += linear("kv_b_proj", kv_rank, nh * (spec.qk_nope_dim + spec.value_dim), False)
+    return tensors + linear("o_proj", nh * spec.value_dim, h, spec.attention_out_bias)
+
+
+def latent_norm_widths(spec: ModelSpec) -> tuple[int, ...]:
+    """The weights of latent attention's q_a_layernorm (where q has a latent) and
+    kv_a_layernorm; none for other attention."""
+    if not spec.mla:
+        return ()
+    return (spec.q_lora_rank,) * bool(spec.q_lora_rank) + (spec.kv_lora_rank,)
+
+
 def qk_norm_widths(spec: ModelSpec) -> tuple[int, ...]:
     """The weights of q_norm and k_norm: one head's width each, or the whole q / k projection's
     (qk_norm_scope "projection"); none without qk norms."""
@@ -104,7 +138,15 @@ LORA_TARGET_SHAPES = {
     "q_proj": lambda s: (s.hidden_size, s.num_attention_heads * s.head_dim),
     "k_proj": lambda s: (s.hidden_size, s.num_key_value_heads * s.head_dim),
     "v_proj": lambda s: (s.hidden_size, s.num_key_value_heads * s.head_dim),
-    "o_proj": lambda s: (s.num_attention_heads * s.head_dim, s.hidden_size),
+    "o_proj": lambda s: (s.num_attention_heads * s.value_dim, s.hidden_size),
+    # latent attention (DeepSeek-V3)
+    "q_a_proj": lambda s: (s.hidden_size, s.q_lora_rank),
+    "q_b_proj": lambda s: (s.q_lora_rank, s.num_attention_heads * s.head_dim),
+    "kv_a_proj_with_mqa": lambda s: (s.hidden_size, s.kv_lora_rank + s.rotated_dim),
+    "kv_b_proj": lambda s: (
+        s.kv_lora_rank,
+        s.num_attention_heads * (s.qk_nope_dim + s.value_dim),
+    ),
     "gate_proj": lambda s: (s.hidden_size, s.intermediate_size),
     "up_proj": lambda s: (s.hidden_size, s.intermediate_size),
     "down_proj": lambda s: (s.intermediate_size, s.hidden_size),
@@ -118,6 +160,9 @@ LORA_TARGET_SHAPES = {
 
 def attention_lora_targets(spec: ModelSpec) -> tuple[str, ...]:
     """Every attention projection (q, k, v and o) under the architecture's own names."""
+    if spec.mla:
+        q = ("q_a_proj", "q_b_proj") if spec.q_lora_rank else ("q_proj",)
+        return (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
     return ("qkv_proj", "o_proj") if spec.fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -136,7 +181,11 @@ def lora_target_modules(spec: ModelSpec) -> tuple[str, ...]:
 
 def default_lora_targets(spec: ModelSpec) -> tuple[str, ...]:
     """peft's default for llama-like models, q_proj and v_proj; on a fused-qkv model (phi3) the
-    one linear that holds them, qkv_proj (which adapts k as well)."""
+    one linear that holds them, qkv_proj (which adapts k as well); under latent attention (peft
+    has no default for it) the up-projections of q and of k and v, q_b_proj (q_proj without a q
+    latent) and kv_b_proj."""
+    if spec.mla:
+        return ("q_b_proj" if spec.q_lora_rank else "q_proj", "kv_b_proj")
     return ("qkv_proj",) if spec.fused_qkv else ("q_proj", "v_proj")
 
 

@@ -120,7 +120,10 @@ class ConfigRules:
         table, q and k cast back to their dtype; in the layers that rotate, an L2 norm of q and
         k without weight (use_qk_norm) and attention within chunks of attention_chunk_size (a
         mask at every sequence length); in the others, the queries times a position-dependent
-        temperature (attn_temperature_tuning); eager attention's softmax in q's dtype."""
+        temperature (attn_temperature_tuning); eager attention's softmax in q's dtype.
+    latent_attention: DeepSeek-V3's multi-head latent attention (q_lora_rank, kv_lora_rank,
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim): ModelSpec.kv_lora_rank and the rest;
+        attention_dropout must be 0 and num_key_value_heads equal num_attention_heads."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
@@ -154,6 +157,7 @@ class ConfigRules:
     keeps_last_kv_per_type: bool = False
     unmodelled: tuple[Unmodelled, ...] = ()
     llama4_attention: bool = False
+    latent_attention: bool = False
     moe: MoeRules | None = None
 
     def __post_init__(self) -> None:

@@ -66,8 +66,8 @@ _MISTRAL_7B = {
     "max_position_embeddings": 131072,
 }
 _EXPERTS_KEPT = ("the experts (3-D fused weights) keep transformers' implementation",)
-# DeepSeek-style MoE layers (GLM-4.5): an fp32 sigmoid router with an expert-bias buffer and
-# group-limited top-k, shared experts beside the routed ones, the first layers dense.
+# DeepSeek-style MoE layers (GLM-4.5, DeepSeek-V3): an fp32 sigmoid router with an expert-bias
+# buffer and group-limited top-k, shared experts beside the routed ones, the first layers dense.
 _DEEPSEEK_MOE = MoeRules(
     experts_key="n_routed_experts",
     expert_width_key="moe_intermediate_size",
@@ -250,6 +250,53 @@ FAMILIES: dict[str, Family] = {
                 notes=_EXPERTS_KEPT,
             ),
             tiny_from="glm-4.5-air",
+        ),
+        Family(
+            model_type="deepseek_v3",
+            config=ConfigRules(
+                defaults={
+                    "vocab_size": 129280,
+                    "hidden_size": 7168,
+                    "intermediate_size": 18432,
+                    "num_hidden_layers": 61,
+                    "num_attention_heads": 128,
+                    "max_position_embeddings": 4096,
+                    "n_routed_experts": 256,
+                    "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 2048,
+                    "n_shared_experts": 1,
+                    "n_group": 8,
+                    "topk_group": 4,
+                    "first_k_dense_replace": 3,
+                    "q_lora_rank": 1536,
+                    "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64,
+                    "v_head_dim": 128,
+                },
+                windowed_layers="never",
+                reads_layer_types=False,
+                latent_attention=True,
+                moe=_DEEPSEEK_MOE,
+            ),
+            patch=PatchSpec(
+                model_type="deepseek_v3",
+                # the decoder layers' norms, and q_a_layernorm and kv_a_layernorm in attention
+                norm=NormSpec(classes=("DeepseekV3RMSNorm",)),
+                # memplan's attention takes q, k and v projections: latent attention keeps
+                # transformers' forward, RoPE included
+                attention=AttentionSpec(classes=()),
+                # the dense layers' MLP and each MoE layer's shared experts
+                mlp=MlpSpec(classes=("DeepseekV3MLP",)),
+                causal_lm=CausalLMSpec(classes=("DeepseekV3ForCausalLM",)),
+                decoder_layer=DecoderLayerSpec(classes=("DeepseekV3DecoderLayer",)),
+                notes=(
+                    "the attention keeps its forward: latent attention (q and k from low-rank "
+                    "latents, a shared rotated key) does not fit memplan's attention and RoPE",
+                    *_EXPERTS_KEPT,
+                ),
+            ),
+            tiny_from="deepseek-v3",
         ),
         Family(
             model_type="qwen2",

@@ -44,7 +44,8 @@ def shrink(
     sequences (so it matters), alternating sliding/full layers for Gemma 2/3/4, OLMo 3, EXAONE 4
     (whose full layers apply no RoPE) and gpt-oss, Gemma 4's full layers of their own head dim
     and one KV head, layers with and without RoPE for SmolLM3, fewer experts (in two groups where
-    the router picks groups first), Ministral 3's query factor past the fourth position.
+    the router picks groups first, after one dense layer), DeepSeek-V3's latent attention at
+    small ranks, Ministral 3's query factor past the fourth position.
     Without `dropout` the family's dropouts are off, so that two models of it compute the same
     in training whatever random numbers each draws."""
     sizes = TINY if sizes is None else sizes
@@ -83,8 +84,16 @@ def shrink(
         config.update(
             num_experts=experts, moe_intermediate_size=moe_intermediate, mlp_only_layers=[last]
         )
-    if "n_routed_experts" in config:  # DeepSeek-style (glm4_moe): two groups of experts
+    if "n_routed_experts" in config:  # DeepSeek-style (glm4_moe, deepseek_v3): two groups of
+        # experts, the router picking one; one dense layer first
         config.update(n_routed_experts=experts, moe_intermediate_size=moe_intermediate, n_group=2)
+        config.update(topk_group=1, first_k_dense_replace=1)
+    if "kv_lora_rank" in config:  # deepseek_v3's latent attention: k and v for every head,
+        # q and k heads wider than v's, the rotated part a third of them
+        heads = config["num_attention_heads"]
+        q_rank = 48 if config.get("q_lora_rank") is not None else None
+        config.update(num_key_value_heads=heads, kv_lora_rank=32, q_lora_rank=q_rank)
+        config.update(qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     if "num_experts_per_tok" in config:
         config.update(num_experts_per_tok=2, output_router_logits=True)
     rope = config.get("rope_parameters")
