@@ -85,6 +85,22 @@ FAMILIES = {
         "use_qk_norm": True,
         "attention_bias": True,
     },
+    # a dense layer, then a MoE layer (shared expert, two expert groups); latent attention
+    # with a q latent, q/k heads of 48 (16 rotated), v heads of 32, as many KV heads as heads
+    "deepseek_v3": {
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 96,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+    },
     # a sliding layer and a full one of its own head dim and KV head whose values are its keys,
     # the window reached at seq 64
     "gemma4_text": {
@@ -147,6 +163,10 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "mixtral": (_ATTENTION_QV, _ATTENTION_ALL),
     "qwen3_moe": (_ATTENTION_QV, _ATTENTION_ALL),
     "glm4_moe": (_ATTENTION_QV, _ATTENTION_ALL),
+    "deepseek_v3": (
+        ("q_b_proj", "kv_b_proj"),
+        ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    ),
     "gpt_oss": (_ATTENTION_QV, _ATTENTION_ALL),
     # the estimate adapts attention only in a MoE model
     "llama4_text": (_ATTENTION_QV, _ATTENTION_ALL),

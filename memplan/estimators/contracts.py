@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from memplan.estimators import kernel_contracts as kc
-from memplan.estimators.params import LORA_TARGET_SHAPES, layer_lora_targets, moe_rules
+from memplan.estimators.params import (
+    LORA_TARGET_SHAPES,
+    latent_attention_tensors,
+    layer_lora_targets,
+    moe_rules,
+)
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
 from memplan.schema import GLU_KERNEL_BY_ACTIVATION, ModelSpec, TrainSetup
@@ -225,6 +230,9 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
     if not ctx.output_needs_grad(0):
         return
     spec, d = ctx.spec, ctx.dtypes
+    if spec.mla:
+        latent_attention_saved(ctx, out)
+        return
     nh, kv, hd = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
     p = d.proj
     seq = ctx.seq
@@ -320,6 +328,91 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add("attn.o_proj_in", p * nh * hd)
 
 
+@dataclass(frozen=True)
+class LatentGrads:
+    """Which tensors of a latent attention layer need a gradient (all of them, but in the
+    first layer under LoRA only those downstream of an adapter): q_a_proj's output (q_latent),
+    q, kv_a_proj_with_mqa's output (kv_latent: the shared rotated key among it), and k and v
+    (kv_b_proj's output, or the rotated key)."""
+
+    q_latent: bool
+    q: bool
+    kv_latent: bool
+    kv: bool
+
+
+def latent_grads(ctx: LayerContext) -> LatentGrads:
+    if ctx.needs_input_grad:
+        return LatentGrads(True, True, True, True)
+    q_latent = ctx.adapted("q_a_proj")
+    kv_latent = ctx.adapted("kv_a_proj_with_mqa")
+    return LatentGrads(
+        q_latent=q_latent,
+        q=q_latent or ctx.adapted("q_b_proj", "q_proj"),
+        kv_latent=kv_latent,
+        kv=kv_latent or ctx.adapted("kv_b_proj"),
+    )
+
+
+def latent_attention_saved(ctx: LayerContext, out: Saved) -> None:
+    """DeepSeek-V3's latent attention (transformers' forward, RoPE included): q_a_layernorm on
+    q_a_proj's output and kv_a_layernorm on the latent slice of kv_a_proj_with_mqa's output (in
+    fp32 the slice's x.float() is a view of that whole output, which pow keeps, as memplan's
+    RMSNorm keeps its input), each keeping
+    what an RMSNorm keeps and its output for the up-projection that reads it; the rotation
+    keeps cos/sin (shared tables); q (the concatenation of its passed and rotated parts) and k
+    (a new tensor the latent's key parts are copied into) head_dim wide, v a view of kv_b_proj's
+    output, which a kernel that keeps v keeps whole (qk_nope + v_head_dim per head). Attention
+    as attention_path picks it: materialized scores keep q, k, a contiguous copy of v (fp32
+    copies on the CPU's math path) and the probabilities; a fused kernel (cuDNN) or the memory-efficient one keeps q, k, v, its output
+    and logsumexp; o_proj its input, a copy where the output takes q's heads-major layout."""
+    spec, d = ctx.spec, ctx.dtypes
+    nh, hd, vd = spec.num_attention_heads, spec.head_dim, spec.value_dim
+    p, seq = d.proj, ctx.seq
+    grads = latent_grads(ctx)
+    lora = bool(ctx.setup.lora_rank)
+    up_readers = 0 if lora else 1
+    if spec.q_lora_rank:
+        norm_saved(
+            ctx, out, "attn.q_a_norm", spec.q_lora_rank, p, up_readers, ctx.trainable_base,
+            False, input_requires_grad=grads.q_latent,
+        )  # fmt: skip
+    kv_rank, rope = spec.kv_lora_rank, spec.rotated_dim
+    norm_saved(
+        ctx, out, "attn.kv_a_norm", kv_rank, p, up_readers, ctx.trainable_base, False,
+        input_requires_grad=grads.kv_latent,
+    )  # fmt: skip
+    # memplan's kernel keeps its input, an fp32 x.float() is its input: the sliced output whole
+    keeps_slice = p == FP32 or "rms_norm" in ctx.kernels
+    if keeps_slice and (grads.kv_latent or ctx.trainable_base):
+        out.add("attn.kv_a_norm" + INPUT_ITSELF, p * rope)
+    v_storage = p * nh * (spec.qk_nope_dim + vd)  # kv_b_proj's output, of which v is a view
+    path = attention_path(ctx)
+    if path == "scores":
+        q_grad, k_grad, v_grad = grads.q, grads.kv, grads.kv
+        scores_grad = q_grad or k_grad
+        p_scores = scores_bytes(ctx)
+        # matmul(probs, v) keeps a contiguous copy of v's strided view (the math path its
+        # fp32 copy)
+        out.add_each(
+            "attn.qkv", p_scores * nh * hd * k_grad, p_scores * nh * hd * q_grad,
+            p_scores * nh * vd * scores_grad,
+        )  # fmt: skip
+        cast_kept = v_grad and (p_scores < FP32 or not scores_grad)
+        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p_scores * nh * seq * cast_kept)
+        if o_input_kept(ctx):
+            out.add("attn.out", p * nh * vd)
+        return
+    if ctx.backend == "cuda":
+        out.add("attn.rng", constant=2 * INT64)
+    out.add_each("attn.qkv", p * nh * hd, p * nh * hd, v_storage)
+    padded = -(-seq // 32) * 32 if path == "memory_efficient" else seq
+    out.add("attn.lse", FP32 * nh * padded / seq)
+    out.add("attn.out", p * nh * vd)
+    if path == "fused" and o_input_kept(ctx):  # the output is heads-major as q is
+        out.add("attn.o_proj_in", p * nh * vd)
+
+
 def attention_output_follows_query(ctx: LayerContext, path: str) -> bool:
     """Whether SDPA's output takes q's memory layout, so that a heads-major q gives an output
     the (batch, seq, heads x head_dim) reshape must copy: flash attention and cuDNN on CUDA
@@ -395,6 +488,9 @@ def rotated_dtype(ctx: LayerContext) -> int:
 
 def rotation_saved(ctx: LayerContext) -> bool:
     """Whether the layer's RoPE saves cos/sin: where q or k after it needs a gradient."""
+    if ctx.spec.mla:  # q's rotated part, or the shared rotated key of the latent
+        grads = latent_grads(ctx)
+        return ctx.output_needs_grad(0) and (grads.q or grads.kv_latent)
     q_grad, k_grad, _ = qkv_need_grad(ctx)
     return ctx.output_needs_grad(0) and (q_grad or k_grad)
 
@@ -421,8 +517,8 @@ def sdpa_math_path(spec: ModelSpec, dtypes: DtypePlan, backend: str, masked: boo
     path take enable_gqa, and flash attention takes no fp32. Without grouped heads the
     memory-efficient kernel takes fp32. On the CPU: with dropout, which its fused kernel does
     not take (the math path then computes bf16 in fp32)."""
-    if backend != "cuda":
-        return spec.attention_dropout > 0
+    if backend != "cuda":  # the CPU's fused kernel takes no dropout, nor v narrower than q
+        return spec.attention_dropout > 0 or spec.value_dim != spec.head_dim
     grouped = spec.num_key_value_heads < spec.num_attention_heads
     return dtypes.proj == FP32 and grouped and not masked
 
@@ -440,12 +536,18 @@ def dropout_saved_bytes(ctx: LayerContext, input_bytes: int) -> int:
     return 1 if ctx.backend == "cuda" else input_bytes
 
 
-def fused_attention_kernel(ctx: LayerContext) -> Literal["cudnn", "flash"]:
+def fused_attention_kernel(ctx: LayerContext) -> Literal["cudnn", "flash"] | None:
     """The fused SDPA kernel of a bf16/fp16 layer without a mask on CUDA (sm90): cuDNN, unless
-    its head dim is over 128 or the dropout is not a multiple of 1/16 (traced/sdpa.py)."""
-    hd = ctx.spec.head_dim
-    cudnn = hd <= 128 and hd % 8 == 0 and float(ctx.spec.attention_dropout * 16).is_integer()
-    return "cudnn" if cudnn else "flash"
+    a head dim is over 128 (q/k 192 with v 128 taken: DeepSeek-V3's) or the dropout is not a
+    multiple of 1/16; else flash, which takes only one head dim for q, k and v (None: neither;
+    the memory-efficient kernel runs). As traced/sdpa.py's choose_kernel, for cuDNN releases
+    before 9.19."""
+    qk, v = ctx.spec.head_dim, ctx.spec.value_dim
+    dims = (qk <= 128 and v <= 128) or (qk == 192 and v == 128)
+    aligned = qk % 8 == 0 and v % 8 == 0
+    if dims and aligned and float(ctx.spec.attention_dropout * 16).is_integer():
+        return "cudnn"
+    return "flash" if qk == v and qk <= 256 else None
 
 
 def attention_path(ctx: LayerContext) -> Literal["scores", "memory_efficient", "fused"]:
@@ -456,6 +558,8 @@ def attention_path(ctx: LayerContext) -> Literal["scores", "memory_efficient", "
     if ctx.setup.attn == "eager" or sdpa_math_path(ctx.spec, ctx.dtypes, ctx.backend, masked):
         return "scores"
     if masked or (ctx.dtypes.proj == FP32 and ctx.backend == "cuda"):
+        return "memory_efficient"
+    if ctx.backend == "cuda" and fused_attention_kernel(ctx) is None:
         return "memory_efficient"
     return "fused"
 
@@ -862,11 +966,13 @@ def layer_saved(ctx: LayerContext) -> Saved:
         for target in layer_lora_targets(spec, ctx.setup):
             fan_in, fan_out = LORA_TARGET_SHAPES[target](spec)
             stage = LORA_TARGET_STAGE[target]
-            input_bytes = 0 if shared_input and stage in inputs_saved else fan_in
-            inputs_saved.add(stage)
+            read = LATENT_READERS.get(target, stage)  # what the adapter reads
+            input_bytes = 0 if shared_input and read in inputs_saved else fan_in
+            inputs_saved.add(read)
             out.add_each(f"lora.{target}", saved_dtype * input_bytes, saved_dtype * rank)
             if d.autocast:
                 a_kept = ctx.needs_input_grad or first_stage_after(ctx.lora_targets) <= stage
+                a_kept = a_kept or latent_input_needs_grad(ctx, target)
                 out.add(f"lora.weights.{target}", constant=d.proj * rank * fan_in * a_kept)
                 out.add(f"lora.weights.{target}", constant=d.proj * rank * fan_out)
     if d.autocast:
@@ -879,6 +985,10 @@ def layer_saved(ctx: LayerContext) -> Saved:
         names = autocast_weight_names(spec, ctx.moe)[-len(tensors) :] if tensors else []
         for name, params in zip(names, tensors, strict=True):
             out.add(name, constant=d.proj * params)
+        if first > 0:  # a latent up-projection whose input needs a gradient before that stage
+            for name, rows, cols in latent_weights(spec):
+                if latent_input_needs_grad(ctx, name):
+                    out.add("autocast.weights", constant=d.proj * rows * cols)
     return out
 
 
@@ -947,12 +1057,29 @@ LORA_TARGET_STAGE = {
     "k_proj": 0,
     "v_proj": 0,
     "qkv_proj": 0,
+    "q_a_proj": 0,
+    "q_b_proj": 0,
+    "kv_a_proj_with_mqa": 0,
+    "kv_b_proj": 0,
     "o_proj": 1,
     "gate_proj": 2,
     "up_proj": 2,
     "gate_up_proj": 2,
     "down_proj": 3,
 }
+
+
+# Latent attention's up-projections read their latent's norm, not the layer's input norm.
+LATENT_READERS = {"q_b_proj": "q_latent", "kv_b_proj": "kv_latent"}
+
+
+def latent_input_needs_grad(ctx: LayerContext, target: str) -> bool:
+    """Whether a latent up-projection's input (its latent's norm output) needs a gradient in a
+    layer whose input needs none: where the latent's down-projection is adapted."""
+    if not ctx.spec.mla or target not in LATENT_READERS:
+        return False
+    grads = latent_grads(ctx)
+    return grads.q_latent if target == "q_b_proj" else grads.kv_latent
 
 
 def first_stage_after(lora_targets: tuple[str, ...]) -> int:
@@ -976,6 +1103,10 @@ def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0, moe: bool = F
     qkv = [h * (q_out + 2 * kv_out)] if spec.fused_qkv else [h * q_out, h * kv_out, h * kv_out]
     if spec.values_from_keys:
         qkv = qkv[:2]
+    o_weight = [h * q_out]
+    if spec.mla:  # the latent projections in forward order, o_proj v_head_dim wide per head
+        latent = [rows * cols for name, rows, cols in latent_weights(spec)]
+        qkv, o_weight = latent[:-1], latent[-1:]
     if moe and spec.moe_router == "sigmoid_every_expert":
         # Llama 4's experts run torch.bmm, an autocast op, beside a shared gated MLP
         e, width, shared = (
@@ -996,5 +1127,11 @@ def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0, moe: bool = F
     else:
         gate_up = [2 * h * inter] if spec.fused_gate_up else [h * inter, h * inter]
         down = [h * inter]
-    stages = (qkv, [h * q_out], gate_up, down)
+    stages = (qkv, o_weight, gate_up, down)
     return [n for stage in stages[first_stage:] for n in stage]
+
+
+def latent_weights(spec: ModelSpec) -> list[tuple[str, int, int]]:
+    """Latent attention's matmul weights (no norms, no biases), in forward order."""
+    tensors = latent_attention_tensors(spec)
+    return [t for t in tensors if not t[0].endswith("layernorm") and t[2] != 1]
