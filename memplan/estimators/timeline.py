@@ -23,6 +23,7 @@ from memplan.estimators.contracts import (
     DtypePlan,
     LayerContext,
     MoeStep,
+    adapters_share_inputs,
     Saved,
     attention_masked,
     autocast_weight_params,
@@ -791,12 +792,31 @@ def kv_cache_added(
     adds to the forward's memory (contracts.kv_cache_shares_saved)."""
     added = []
     for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
+        if spec.mla:
+            added.append(latent_kv_cache_added(ctx))
+            continue
         tensors = kv_cache_tensors(ctx.spec, setup, dtypes, ctx.keys_in_residual_dtype)
         shared = kv_cache_shares_saved(
             ctx, *kv_cache_dtypes(setup, dtypes, ctx.keys_in_residual_dtype)
         )
         added.append([n for n, kept in zip(tensors, shared, strict=True) if not kept])
     return added
+
+
+def latent_kv_cache_added(ctx: LayerContext) -> list[int]:
+    """Latent attention's cache holds the latents, not k and v: the normed kv latent (its keys;
+    fp32 under autocast, out of HF's norm, whose fp32 weight multiplies last, and memplan's) and
+    the rotated shared key (its values, in cos/sin's dtype). kv_b_proj keeps the cache's latent as its input
+    where it trains without autocast, or where an fp32 adapter on it takes it as it is; nothing
+    keeps the rotated key (it is copied into k)."""
+    spec, setup, d = ctx.spec, ctx.setup, ctx.dtypes
+    tokens = setup.batch * setup.seq
+    latent_bytes = rotated_bytes = d.residual if d.autocast else d.proj
+    trained = ctx.trainable_base and not d.autocast
+    adapted = ctx.adapted("kv_b_proj") and adapters_share_inputs(d) and bool(setup.lora_rank)
+    kept = ctx.output_needs_grad(0) and (trained or adapted)
+    latent = 0 if kept else round_block(tokens * spec.kv_lora_rank * latent_bytes)
+    return [n for n in (latent, round_block(tokens * spec.rotated_dim * rotated_bytes)) if n]
 
 
 @dataclass(frozen=True)
