@@ -424,6 +424,13 @@ def _latent_attention(
     rope = _positive_int(cfg, "qk_rope_head_dim")
     if rope % 2:
         raise _bad_value("qk_rope_head_dim", rope, "an even positive integer")
+    tables = _optional_positive_int(cfg, "head_dim")
+    if tables is not None and tables != rope:
+        raise MemplanError(
+            f"{model_type} with head_dim {tables} and qk_rope_head_dim {rope}: transformers' "
+            "rotary tables are head_dim wide and its latent attention rotates qk_rope_head_dim "
+            "dims, so the two must be equal (the config class sets head_dim to it)"
+        )
     return {
         "head_dim": _positive_int(cfg, "qk_nope_head_dim") + rope,
         "rotary_dim": rope,

@@ -878,6 +878,8 @@ def layer_saved(ctx: LayerContext) -> Saved:
     out = Saved()
     gemma_norm = gemma_norms(spec)
     qkv_consumers = 1 if spec.fused_qkv else 2 if spec.values_from_keys else 3
+    if spec.mla:  # q's projection (or its latent's) and the kv latent's
+        qkv_consumers = 2
     mlp_consumers = 1 if spec.fused_gate_up else 2
     if ctx.moe:
         # the router (unless it keeps an fp32 copy of its own) and the shared experts' gate and

@@ -47,6 +47,7 @@ from memplan.estimators.param_tensors import model_param_tensors, param_tensors
 from memplan.estimators.params import (
     ParamCounts,
     count_params,
+    latent_attention_tensors,
     layer_lora_targets,
     lora_params,
     lora_shapes,
@@ -683,9 +684,10 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         logits_fp32=round_block(tokens * spec.vocab_size * FP32),
         grad_hidden=round_block(tokens * h * p),
         lm_head_grad=0 if lora else round_block(spec.vocab_size * h * weights.param),
-        # Raw q, k, v before RoPE and its rotate_half temporaries, plus the residual pair.
+        # Raw q, k, v before RoPE and its rotate_half temporaries (latent attention: q, k and
+        # kv_b_proj's output), plus the residual pair.
         layer_fwd_transient=[
-            [tokens * p * layer.num_attention_heads * layer.head_dim] * 3
+            [tokens * p * layer.num_attention_heads * width for width in qkv_widths(layer)]
             + [tokens * dtypes.residual * h] * 2
             for layer in layers
         ],
@@ -727,6 +729,14 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     )
 
 
+def qkv_widths(layer: ModelSpec) -> tuple[int, int, int]:
+    """Per head, the widths of the three head-sized tensors a layer's attention makes before
+    its core: q, k, v (head_dim each), or latent attention's q, k and kv_b_proj's output."""
+    if layer.mla:
+        return layer.head_dim, layer.head_dim, layer.qk_nope_dim + layer.value_dim
+    return (layer.head_dim,) * 3
+
+
 def layers_autocast_weight_params(spec: ModelSpec) -> int:
     """The weights of every decoder layer (each as ModelSpec.layer sees it, a MoE layer's router
     and shared expert) that autocast caches a low-precision copy of."""
@@ -756,11 +766,12 @@ def attention_backward_transient(layer: ModelSpec, tokens: int, p: int, scores: 
     """What one layer's (a ModelSpec.layer view) attention backward holds: dq, dk, dv and an
     fp32 dq accumulator, or the score-sized gradients where attention materializes scores."""
     nh, kv, hd = layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
-    flash = p * (nh + 2 * kv) * hd + FP32 * nh * hd
+    vd = layer.value_dim  # latent attention's v heads are narrower than q's and k's
+    flash = p * (nh + kv) * hd + p * kv * vd + FP32 * nh * hd
     if scores > flash:
         return [tokens * scores]
     dq, dk = tokens * p * nh * hd, tokens * p * kv * hd
-    return [dq, dk, dk, tokens * FP32 * nh * hd]
+    return [dq, dk, tokens * p * kv * vd, tokens * FP32 * nh * hd]
 
 
 def kv_cache_dtypes(
@@ -872,6 +883,8 @@ def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
         (layer.num_attention_heads + 2 * layer.num_key_value_heads) * layer.head_dim
         for layer in layers
     )
+    if spec.mla:  # the largest latent projection, as elements per hidden row
+        heads = max(rows * cols for _, rows, cols in latent_attention_tensors(spec)) // h
     dense = spec.intermediate_size * h * (2 if spec.fused_gate_up else 1)
     dense = max(dense, spec.shared_expert_intermediate_size * h)
     experts = spec.num_experts * 2 * spec.moe_intermediate_size * h
@@ -898,7 +911,11 @@ def attention_scores_backward_bytes(
     per_score = 3 * FP32
     if setup.attn == "eager" and dtypes.proj != FP32:
         per_score -= dtypes.proj
-    return spec.num_attention_heads * setup.seq * per_score
+    held = spec.num_attention_heads * setup.seq * per_score
+    if spec.mla and setup.attn == "eager":
+        # latent attention's v is a contiguous copy only the value matmul keeps: gone by then
+        held -= spec.num_attention_heads * spec.value_dim * dtypes.proj
+    return held
 
 
 def sink_layer_forward_peak(

@@ -94,6 +94,9 @@ def shrink(
         q_rank = 48 if config.get("q_lora_rank") is not None else None
         config.update(num_key_value_heads=heads, kv_lora_rank=32, q_lora_rank=q_rank)
         config.update(qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    config.update(overrides)
+    if "kv_lora_rank" in config:  # the rotary tables' width, as the config class derives it
+        config["head_dim"] = config["qk_rope_head_dim"]
     if "num_experts_per_tok" in config:
         config.update(num_experts_per_tok=2, output_router_logits=True)
     rope = config.get("rope_parameters")
