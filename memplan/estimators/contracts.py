@@ -364,8 +364,9 @@ def latent_attention_saved(ctx: LayerContext, out: Saved) -> None:
     (a new tensor the latent's key parts are copied into) head_dim wide, v a view of kv_b_proj's
     output, which a kernel that keeps v keeps whole (qk_nope + v_head_dim per head). Attention
     as attention_path picks it: materialized scores keep q, k, a contiguous copy of v (fp32
-    copies on the CPU's math path) and the probabilities; a fused kernel (cuDNN) or the memory-efficient one keeps q, k, v, its output
-    and logsumexp; o_proj its input, a copy where the output takes q's heads-major layout."""
+    copies on the CPU's math path) and the probabilities; a fused kernel (cuDNN) or the
+    memory-efficient one keeps q, k, v, its output and logsumexp; o_proj its input, a copy
+    where the output takes q's heads-major layout."""
     spec, d = ctx.spec, ctx.dtypes
     nh, hd, vd = spec.num_attention_heads, spec.head_dim, spec.value_dim
     p, seq = d.proj, ctx.seq

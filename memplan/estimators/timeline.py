@@ -23,8 +23,8 @@ from memplan.estimators.contracts import (
     DtypePlan,
     LayerContext,
     MoeStep,
-    adapters_share_inputs,
     Saved,
+    adapters_share_inputs,
     attention_masked,
     autocast_weight_params,
     autocast_weight_tensors,
@@ -816,10 +816,10 @@ def kv_cache_added(
 
 def latent_kv_cache_added(ctx: LayerContext) -> list[int]:
     """Latent attention's cache holds the latents, not k and v: the normed kv latent (its keys;
-    fp32 under autocast, out of HF's norm, whose fp32 weight multiplies last, and memplan's) and
-    the rotated shared key (its values, in cos/sin's dtype). kv_b_proj keeps the cache's latent as its input
-    where it trains without autocast, or where an fp32 adapter on it takes it as it is; nothing
-    keeps the rotated key (it is copied into k)."""
+    fp32 under autocast, out of HF's norm, whose fp32 weight multiplies last, and memplan's)
+    and the rotated shared key (its values, in cos/sin's dtype). kv_b_proj keeps the cache's
+    latent as its input where it trains without autocast, or where an fp32 adapter on it takes
+    it as it is; nothing keeps the rotated key (it is copied into k)."""
     spec, setup, d = ctx.spec, ctx.setup, ctx.dtypes
     tokens = setup.batch * setup.seq
     latent_bytes = rotated_bytes = d.residual if d.autocast else d.proj
