@@ -25,6 +25,7 @@ from memplan.catalog.gpus import _GPUS_JSON
 from memplan.catalog.models import _MODELS_JSON
 from memplan.errors import MemplanError, UsageError
 from memplan.estimators import count_params, estimate
+from memplan.estimators.params import latent_attention_tensors
 from memplan.families import FAMILIES
 from memplan.schema import TrainSetup
 
@@ -896,9 +897,12 @@ ODD_SIZES = {"hidden_size": 384, "num_attention_heads": 4, "num_key_value_heads"
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_family_defaults_match_transformers(model_type, sizes):
     """Beside the sizes, each key whose class default builds what memplan does not model
-    (ConfigRules.unmodelled: Gemma 4's per-layer embeddings) takes its first modelled value."""
+    (ConfigRules.unmodelled: Gemma 4's per-layer embeddings) takes its first modelled value;
+    latent attention (deepseek_v3) has as many KV heads as heads."""
     from transformers import AutoConfig
 
+    if sizes and FAMILIES[model_type].config.latent_attention:
+        sizes = {**sizes, "num_key_value_heads": sizes["num_attention_heads"]}
     modelled = {rule.key: rule.modelled[0] for rule in FAMILIES[model_type].config.unmodelled}
     reference = AutoConfig.for_model(model_type, **sizes, **modelled).to_dict()
     assert _fields(spec_from_config({"model_type": model_type, **sizes, **modelled})) == _fields(
@@ -978,7 +982,10 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
         spec.num_key_value_heads * spec.head_dim,
     )
     assert hasattr(attn, "qkv_proj") == spec.fused_qkv
-    if spec.fused_qkv:
+    if spec.mla:  # latent attention's projections and norms, by module, in registration order
+        built = [(name.split(".")[0], p.numel()) for name, p in attn.named_parameters()]
+        assert built == [(n, rows * cols) for n, rows, cols in latent_attention_tensors(spec)]
+    elif spec.fused_qkv:
         assert attn.qkv_proj.out_features == q_width + 2 * kv_width
         assert (attn.qkv_proj.bias is not None) == spec.attention_bias
     else:
@@ -995,7 +1002,7 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     if FAMILIES[spec.model_type].config.rope_per_layer_type:
         assert spec.rope_tables == len(model.model.rotary_emb.layer_types)
     assert hasattr(layer, "layer_scalar") == spec.layer_scalar
-    if not spec.fused_qkv:  # each layer's geometry (Gemma 4's global layers: ModelSpec.layer)
+    if not (spec.fused_qkv or spec.mla):  # each layer's geometry (Gemma 4's global layers)
         for index, built in enumerate(model.model.layers):
             view, built_attn = spec.layer(index), built.self_attn
             assert built_attn.q_proj.out_features == spec.num_attention_heads * view.head_dim
@@ -1194,3 +1201,38 @@ def test_a_name_replaced_by_a_catalog_entry_is_a_warning() -> None:
     assert any("microsoft/Phi-3-mini-4k-instruct" in w for w in advice.warnings)
     for exact in ("phi-3-mini", "microsoft/Phi-3-mini-4k-instruct", " PHI-3-MINI "):
         assert not any("catalog" in w for w in advise(exact, 1, 512).warnings)
+
+
+def test_deepseek_v3_latent_attention_reads_as_transformers_builds_it():
+    """DeepSeek-V3 and Moonlight: q/k heads of qk_nope + qk_rope (not the config's head_dim,
+    which transformers sets to the rotated width), v heads of v_head_dim, a q latent only where
+    q_lora_rank is set, the first first_k_dense_replace layers dense; the parameter counts the
+    model cards give (671B without the MTP layer; 16B)."""
+    v3 = resolve_model("deepseek-v3")
+    assert (v3.head_dim, v3.rotary_dim, v3.v_head_dim) == (192, 64, 128)
+    assert (v3.kv_lora_rank, v3.q_lora_rank, v3.num_key_value_heads) == (512, 1536, 128)
+    assert (v3.dense_layers, v3.num_experts, v3.shared_expert_intermediate_size) == (
+        (0, 1, 2), 256, 2048,
+    )  # fmt: skip
+    assert count_params(v3).total == 671026404352
+    moon = resolve_model("moonlight-16b-a3b-instruct")
+    assert (moon.q_lora_rank, moon.dense_layers, moon.num_experts) == (0, (0,), 64)
+    assert moon.shared_expert_intermediate_size == 2 * 1408
+    assert count_params(moon).total == 15960108544
+    printed = spec_from_config({**moon.hf_config, "head_dim": 64, "q_lora_rank": 32})
+    assert (printed.head_dim, printed.q_lora_rank) == (192, 32)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"num_key_value_heads": 8}, "num_key_value_heads 8 and num_attention_heads 128 is not"),
+        ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
+        ({"head_dim": 128}, "head_dim 128 and qk_rope_head_dim 64"),
+        ({"qk_rope_head_dim": 63}, "'qk_rope_head_dim' must be an even positive integer, got 63"),
+        ({"kv_lora_rank": 0}, "'kv_lora_rank' must be a positive integer, got 0"),
+    ],
+)
+def test_deepseek_v3_configs_memplan_does_not_model_are_one_error(overrides, message):
+    with pytest.raises(MemplanError, match=message):
+        spec_from_config({"model_type": "deepseek_v3", **overrides})

@@ -199,6 +199,21 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         # heads-major q (half of each head rotated) makes SDPA's output a copy for o_proj
         ("glm4_moe", ("q_proj", "v_proj"), "bf16", "sdpa"),
         pytest.param("glm4_moe", ("k_proj", "o_proj"), "fp32", "eager", marks=pytest.mark.slow),
+        # deepseek_v3: the first layer keeps a latent's norm only where its down-projection is
+        # adapted, the rotation where q or the shared rotated key needs a gradient; fp32
+        # adapters on q_a_proj and kv_a_proj_with_mqa share the input norm's output
+        ("deepseek_v3", ("q_b_proj", "kv_b_proj"), "bf16", "sdpa"),
+        ("deepseek_v3", ("kv_a_proj_with_mqa",), "fp32", "eager"),
+        pytest.param(
+            "deepseek_v3",
+            ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+            "fp32",
+            "sdpa",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "deepseek_v3", ("q_a_proj", "o_proj"), "bf16", "eager", marks=pytest.mark.slow
+        ),
         # Gemma 4: the full layer has no v_proj to adapt (its values are its keys); v_norm keeps
         # what it needs only where v needs a gradient
         ("gemma4_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
@@ -275,11 +290,17 @@ def test_lora_matches_autograd_on_cpu(
                 ("gpt_oss", ("rms_norm", "rope", "flce"), "bf16", ()),
                 ("gpt_oss", ("rms_norm", "rope", "cross_entropy"), "fp32", ()),
                 ("gpt_oss", ("rope",), "bf16", ("v_proj",)),
+                # memplan's RMSNorm keeps the sliced kv latent whole (fp32 as bf16)
+                ("deepseek_v3", ("rms_norm", "swiglu", "flce"), "fp32", ()),
+                ("deepseek_v3", ("rms_norm",), "bf16", ("q_a_proj", "kv_b_proj")),
                 # the shared expert's GLU kernel; the attention keeps its forward
                 ("llama4_text", ("rms_norm", "swiglu", "flce"), "bf16", ()),
                 ("llama4_text", ("rms_norm", "swiglu", "cross_entropy"), "fp32", ()),
             ]
         ),
+        # deepseek_v3: RMSNorm on the latents' norms too, SwiGLU in the dense layer and the
+        # shared experts; the latent attention and its RoPE as transformers runs them
+        ("deepseek_v3", ("rms_norm", "swiglu", "flce"), "bf16", ()),
         # glm4_moe: RoPE on half of each head (q heads-major after it), SwiGLU in the dense layer
         # and the shared experts, the fp32 router's copies beside the patched norms
         ("glm4_moe", ("rms_norm", "rope", "swiglu", "flce"), "bf16", ()),
@@ -520,6 +541,16 @@ def test_lora_matches_h200_probe(kernels: str, case: str) -> None:
                 ("glm4_moe", "bf16", {"kernels": ("rms_norm", "rope", "swiglu", "flce")}),
             ]
         ),
+        # latent attention caches the normed kv latent (kv_b_proj's input, or an fp32
+        # adapter's) and the rotated shared key (kept by nothing)
+        ("deepseek_v3", "bf16", {}),
+        pytest.param(
+            "deepseek_v3",
+            "fp32",
+            {"lora_rank": 16, "lora_targets": ("q_a_proj", "kv_b_proj")},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param("deepseek_v3", "amp-bf16", {"attn": "eager"}, marks=pytest.mark.slow),
         # eager attention with sinks keeps repeated k and v: the cache is memory of its own
         ("gpt_oss", "bf16", {"attn": "eager"}),
     ],

@@ -24,6 +24,15 @@ SMALL = {
     "intermediate_size": 1024,
     "vocab_size": 4096,
 }
+# DeepSeek-V3's latent attention in DeepSeek's proportions (q/k heads of 96, a third rotated, v
+# heads of 64; latents wider than a head).
+SMALL_LATENT = {
+    "kv_lora_rank": 128,
+    "q_lora_rank": 192,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+}
 # Llama 4 with eight experts four times as wide as the default case's, and a small vocabulary.
 LLAMA4_MOE_HEAVY = {"num_local_experts": 8, "intermediate_size": 2048, "vocab_size": 512}
 # One setup beside plain bf16 per family, so that each option meets several families.
@@ -54,6 +63,8 @@ VARIANTS = {
     "exaone4": {"precision": "amp-bf16"},
     # the fp32 router's inputs cast by autocast, routing weights in bf16, q cast heads-major
     "glm4_moe": {"precision": "amp-bf16"},
+    # the input norm cast for q's latent and the kv latent, fp32 q concatenated and cast
+    "deepseek_v3": {"precision": "amp-bf16"},
     # the last layer of each type keeps k, v and, recomputed, their graph in shared_kv_states
     "gemma4_text": {"grad_checkpointing": True},
     # the sink attention's fp32 logits and backward under autocast, the experts in fp32
@@ -98,6 +109,26 @@ EXTRA_VARIANTS = [
         {"lora_rank": 16, "lora_targets": ("k_proj", "o_proj"), "precision": "amp-bf16"},
     ),
     ("granite", {}, {"precision": "amp-bf16"}),
+    # deepseek_v3: fp32 (the memory-efficient kernel), eager (v's copy gone by the softmax
+    # backward), LoRA on the up-projections and on the down-projections under autocast,
+    # recomputed layers, q without a latent, q/k heads cuDNN refuses (memory-efficient)
+    ("deepseek_v3", {}, {"precision": "fp32"}),
+    ("deepseek_v3", {}, {"attn": "eager"}),
+    ("deepseek_v3", {}, {"attn": "eager", "precision": "fp32"}),
+    ("deepseek_v3", {}, {"lora_rank": 16, "lora_targets": ("q_b_proj", "kv_b_proj")}),
+    (
+        "deepseek_v3",
+        {},
+        {
+            "lora_rank": 16,
+            "lora_targets": ("q_a_proj", "kv_a_proj_with_mqa", "o_proj"),
+            "precision": "amp-bf16",
+        },
+    ),
+    ("deepseek_v3", {}, {"grad_checkpointing": True}),
+    ("deepseek_v3", {}, {"grad_checkpointing": True, "precision": "amp-bf16"}),
+    ("deepseek_v3", {"q_lora_rank": None}, {}),
+    ("deepseek_v3", {"qk_nope_head_dim": 128, "v_head_dim": 128}, {}),
     # gemma4: one cast of the input fewer where v is k_proj's output; no v_proj to adapt in the
     # full layer; the kept k/v and their graph under checkpointed amp and LoRA; without
     # attention_k_eq_v; full layers of head dim 512 (SDPA's memory-efficient kernel)
@@ -136,6 +167,8 @@ EXTRA_VARIANTS = [
 
 
 def small_spec(family: str, **overrides):
+    if family == "deepseek_v3":
+        overrides = {**SMALL_LATENT, **overrides}
     config = tiny_models.shrink(
         tiny_models.catalog_config(tiny_models.FAMILIES[family]),
         SMALL,

@@ -203,3 +203,34 @@ def test_math_path_with_dropout_keeps_what_the_math_kernel_keeps_and_a_bool_mask
     scores = 2 * 4 * 16 * 16
     extra = [(scores, torch.bool), (scores * 4, torch.float32)]
     assert sorted(kept + extra, key=str) == kept_dropout
+
+
+@pytest.mark.parametrize(
+    "nope,rope,v,precision",
+    [
+        (128, 64, 128, "bf16"),  # DeepSeek-V3, Moonlight: cuDNN's q/k 192 with v 128
+        (64, 32, 64, "bf16"),  # both at most 128: cuDNN
+        (128, 32, 128, "bf16"),  # q/k 160: cuDNN refuses, flash needs one head dim
+        (128, 64, 96, "bf16"),  # q/k 192 with v 96: likewise
+        (96, 32, 128, "bf16"),  # q/k as wide as v: flash where cuDNN refuses
+        (128, 64, 128, "fp32"),  # fp32 without grouped heads: memory-efficient
+    ],
+)
+def test_latent_attention_kernel_is_the_traced_steps(nope, rope, v, precision) -> None:
+    """The analytic contracts pick the SDPA kernel of latent attention's head dims (q/k
+    qk_nope + qk_rope, v v_head_dim, as many KV heads as heads, no mask) as the traced step's
+    emulation of CUDA (choose_kernel, cuDNN before 9.19) does."""
+    from memplan.catalog import resolve_model
+    from memplan.estimators.contracts import DtypePlan, attention_path, fused_attention_kernel
+    from memplan.estimators.timeline import layer_contexts
+
+    dims = {"qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v}
+    spec = resolve_model("deepseek-v3")
+    spec = spec.model_copy(update={"head_dim": nope + rope, "rotary_dim": rope, "v_head_dim": v})
+    setup = TrainSetup(batch=1, seq=1024, precision=precision)
+    ctx = layer_contexts(spec, setup, DtypePlan.of(precision), "cuda")[0]
+    path = attention_path(ctx)
+    analytic = "efficient" if path == "memory_efficient" else fused_attention_kernel(ctx)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    call = SdpaCall(dtype, nope + rope, v, 128, 128, 1024, 1024, False, False, True)
+    assert analytic == choose_kernel(call), dims
