@@ -54,6 +54,7 @@ def step_outputs(model: nn.Module) -> list[torch.Tensor]:
                 "olmo3",
                 "exaone4",
                 "glm4_moe",
+                "deepseek_v3",
                 "gemma4_text",
                 "llama4_text",
             )

@@ -193,6 +193,35 @@ def test_gpt_oss_rotates_every_layer_with_half_tables_and_passes_its_sinks(monke
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("q_lora_rank", [48, pytest.param(None, marks=pytest.mark.slow)])
+def test_deepseek_v3_patches_its_norms_and_glus_and_keeps_its_latent_attention(
+    monkeypatch, q_lora_rank
+):
+    """DeepSeek-V3: memplan's RMSNorm on the layers' norms and on the latents' q_a_layernorm and
+    kv_a_layernorm (the latter on a slice of kv_a_proj_with_mqa's output), SwiGLU in the dense
+    layer's MLP and the MoE layer's shared experts; the latent attention, its interleaved RoPE,
+    the routed experts and the fp32 router as transformers runs them (memplan's RoPE kernel is
+    not called); the model trains as HF's does, with and without a q latent."""
+    calls = rope_calls(monkeypatch)
+    reference, patched = pair("deepseek_v3", q_lora_rank=q_lora_rank)
+    attention = reference.model.layers[0].self_attn
+    assert (attention.q_a_layernorm is not None) == (q_lora_rank is not None)
+    applied = mp.apply(patched)
+    assert "rope" not in applied.kernels
+    assert {"rms_norm", "swiglu", "flce"} <= set(applied.kernels)
+    latents = {"kv_a_layernorm"} | ({"q_a_layernorm"} if q_lora_rank else set())
+    normed = {
+        name.rsplit(".", 1)[-1] for name in applied.modules["rms_norm"] if "self_attn" in name
+    }
+    assert normed == latents
+    assert set(applied.modules["swiglu"]) == {
+        "model.layers.0.mlp",
+        "model.layers.1.mlp.shared_experts",
+    }
+    lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
+    assert not calls
+
+
 @pytest.mark.parametrize(
     "loss_kernel", ["flce", pytest.param("cross_entropy", marks=pytest.mark.slow)]
 )

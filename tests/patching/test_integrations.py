@@ -37,6 +37,12 @@ from .tiny_models import assert_grads_close, batch, build, lockstep, pair, rel_e
         pytest.param("exaone4", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
         # half of each head rotated after the adapters; the experts' block keeps its forward
         pytest.param("glm4_moe", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow),
+        # latent attention's projections adapted, the latents' norms patched between them
+        pytest.param(
+            "deepseek_v3",
+            ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+            marks=pytest.mark.slow,
+        ),
         # v from k_proj in the full layer (no v_proj there), v_norm after the adapters
         pytest.param(
             "gemma4_text", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.slow
