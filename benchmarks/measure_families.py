@@ -53,6 +53,9 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
     ("gpt-oss-20b", 2, 4, LORA),
     # one layer (2.2B parameters, 16 experts): the plan's peak in its MoE backward
     ("llama-4-scout-17b-16e", 1, 4, LORA),
+    # latent attention (16 heads of q/k 192 and v 128: cuDNN), one dense layer and five MoE
+    # layers of 64 experts of 1408 beside two shared ones, the fp32 router
+    ("moonlight-16b-a3b-instruct", 6, 4, CHECKPOINTING),
 ]
 
 
