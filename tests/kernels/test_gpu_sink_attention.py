@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memplan.estimators import kernel_contracts as kc
 from memplan.kernels.sink_attention import (
     kernel_for,
     lse_rows,
@@ -69,17 +70,41 @@ def test_transposed_views_take_no_copy(dtype):
 
 
 @pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
-def test_saved_tensors(dtype, kernel):
-    """What the estimator's contract (kernel_contracts.sink_attention_saved) counts: q, k, v,
-    the output, the fp32 logsumexp (32-padded rows for the memory-efficient kernel), the
-    philox state, and the sinks parameter itself."""
+def test_saved_tensors_are_the_contract(dtype, kernel):
+    """What autograd keeps on the GPU is what the estimator's contract counts
+    (kernel_contracts.sink_attention_saved: q, k, v, the output, the fp32 logsumexp with
+    32-padded rows for the memory-efficient kernel), the philox state (at most 16 bytes each;
+    the contract counts SDPA's figure) and the sinks parameter itself."""
     b, s, h, kv, d = 2, 1000, 16, 2, 64
     (q, k, v, sinks), _ = make(b, s, h, kv, d, dtype)
+    assert kernel_for(q, v) == kernel
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         sink_attention(q, k, v, sinks, 128)
-    on_gpu = sorted(t.numel() * t.element_size() for t in saved if t.is_cuda)
+    sizes = [t.numel() * t.element_size() for t in saved if t is not sinks]
+    contract = kc.sink_attention_saved(s, h, kv, d, q.element_size(), kernel)
+    tensors = sorted(int(per_token * b * s) for name, per_token, _ in contract if per_token)
+    assert sorted(n for n in sizes if n > 16) == tensors
+    assert all(n <= 16 for n in sizes if n not in tensors)
+    assert lse_rows(s, kernel) == (1024 if kernel == "efficient" else s)
+
+
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
+def test_backward_peak_within_the_contract(dtype, kernel):
+    """The backward's peak above what is alive before it (the saved tensors, the incoming
+    gradient) is at most the contract's transient (kernel_contracts.
+    sink_attention_backward_transient) plus the sinks' small row-sum tensors, and not less
+    than the contract less 1%: the contract names the kernel's scratch."""
+    b, s, h, kv, d = 2, 2048, 64, 8, 64
+    (q, k, v, sinks), grad = make(b, s, h, kv, d, dtype)
+    out = sink_attention(q, k, v, sinks, None)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.autograd.grad(out, (q, k, v, sinks), grad)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
     p = q.element_size()
-    want = [b * s * h * d * p] * 2 + [b * s * kv * d * p] * 2
-    want += [b * h * lse_rows(s, kernel) * 4, h * p]
-    assert [n for n in on_gpu if n > 16] == sorted(want)
+    contract = sum(kc.sink_attention_backward_transient(b * s, s, h, kv, d, p, kernel))
+    small = 4 * b * s * h * 4  # row sums, r, r - 1 and their product, fp32 per row and head
+    assert contract * 0.99 <= peak <= contract + small, (peak, contract)

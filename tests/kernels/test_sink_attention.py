@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from memplan.errors import UsageError
+from memplan.estimators import kernel_contracts as kc
 from memplan.kernels.sink_attention import (
     SINK_ATTENTION,
     kernel_for,
@@ -144,6 +145,8 @@ def test_output_is_contiguous_and_saves_no_scores():
     kv = k.numel() * 4
     want = [0, 0, h * 4, b * h * s * 4, kv, kv, q.numel() * 4, q.numel() * 4]
     assert sizes == sorted(want)  # sinks (a parameter) among them
+    contract = kc.sink_attention_saved(s, h, k.shape[2], d, 4, "math")
+    assert sum(int(n * b * s) + c for _, n, c in contract) == sum(want) - h * 4
     assert lse_rows(s, "math") == s and lse_rows(33, "efficient") == 64
 
 
