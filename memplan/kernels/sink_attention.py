@@ -292,9 +292,7 @@ def _backward(ctx, grad, _lse, _seed, _offset):
     del row_sums
     scaled = torch.mul(grad, r, out=scratch)
     del r
-    dq, dk, dv = _attention_backward(
-        scaled, q, k, v, out, lse, seed, offset, ctx.window, ctx.scale
-    )
+    dq, dk, dv = _attention_backward(scaled, q, k, v, out, lse, seed, offset, ctx.window, ctx.scale)
     return dq, dk, dv, d_sinks, None, None
 
 
