@@ -35,6 +35,7 @@ KERNEL_NAMES: tuple[str, ...] = (
     "rms_norm",
     "layer_norm",
     "rope",
+    "sink_attention",
     "swiglu",
     "geglu",
     "cross_entropy",

@@ -293,6 +293,8 @@ def test_lora_matches_autograd_on_cpu(
                 # memplan's RMSNorm keeps the sliced kv latent whole (fp32 as bf16)
                 ("deepseek_v3", ("rms_norm", "swiglu", "flce"), "fp32", ()),
                 ("deepseek_v3", ("rms_norm",), "bf16", ("q_a_proj", "kv_b_proj")),
+                ("gpt_oss", ("rms_norm", "rope", "sink_attention", "cross_entropy"), "fp32", ()),
+                ("gpt_oss", ("rope", "sink_attention"), "bf16", ("q_proj",)),
                 # the shared expert's GLU kernel; the attention keeps its forward
                 ("llama4_text", ("rms_norm", "swiglu", "flce"), "bf16", ()),
                 ("llama4_text", ("rms_norm", "swiglu", "cross_entropy"), "fp32", ()),
@@ -307,6 +309,8 @@ def test_lora_matches_autograd_on_cpu(
         # memplan's RoPE gives k a gradient with q's in layer 0, but not in smollm3's layer 1,
         # which applies no RoPE
         pytest.param("smollm3", ("rope",), "bf16", ("q_proj",), marks=pytest.mark.slow),
+        # memplan's sink attention: q, k, v, its output and logsumexp, no scores
+        ("gpt_oss", ("rms_norm", "rope", "sink_attention", "flce"), "bf16", ()),
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
         # first layer keeps q and k, unlike HF's RoPE (test_lora_matches_autograd_on_cpu).
         ("llama", ("rope",), "bf16", ("q_proj",)),

@@ -267,6 +267,11 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add("attn.llama4_scale", constant=seq * rotated_dtype(ctx))
     masked = attention_masked(ctx)
     path = attention_path(ctx)
+    if path == "sinks":
+        kernel = kc.sink_attention_kernel(ctx.backend, p, hd)
+        for name, per_token, constant in kc.sink_attention_saved(seq, nh, kv, hd, p, kernel):
+            out.add(name, per_token, constant)
+        return
     if path == "scores":
         # matmul(q, k^T) saves each operand for the other's gradient, as does matmul(probs, v):
         # q when k needs a gradient, k (repeated to all heads) when q does, v (repeated) when
@@ -551,10 +556,18 @@ def fused_attention_kernel(ctx: LayerContext) -> Literal["cudnn", "flash"] | Non
     return "flash" if qk == v and qk <= 256 else None
 
 
-def attention_path(ctx: LayerContext) -> Literal["scores", "memory_efficient", "fused"]:
+def sink_kernel(ctx: LayerContext) -> bool:
+    """memplan's sink attention runs this layer's attention (memplan.kernels.sink_attention):
+    the family has sinks, and the kernel runs inside memplan's attention forward (rope's)."""
+    return ctx.spec.attention_sinks and {"rope", "sink_attention"} <= ctx.kernels
+
+
+def attention_path(ctx: LayerContext) -> Literal["scores", "memory_efficient", "fused", "sinks"]:
     """How a layer's attention runs: materializing (heads x seq) scores (eager, or SDPA's math
-    path), SDPA's memory-efficient kernel (a mask, or fp32 on CUDA), or a fused kernel that
-    takes the grouped KV heads as they are."""
+    path), SDPA's memory-efficient kernel (a mask, or fp32 on CUDA), a fused kernel that
+    takes the grouped KV heads as they are, or memplan's sink attention (sink_kernel)."""
+    if sink_kernel(ctx):
+        return "sinks"
     masked = attention_masked(ctx)
     if ctx.setup.attn == "eager" or sdpa_math_path(ctx.spec, ctx.dtypes, ctx.backend, masked):
         return "scores"

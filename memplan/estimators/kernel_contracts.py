@@ -274,3 +274,78 @@ def flce_chunk_for_budget(
         if min_accumulated_chunk <= chunk < rows and fits(chunk, "one_pass_fp32_acc"):
             return chunk
     return next((c for c in powers if c < rows and fits(c, "two_pass")), 1)
+
+
+def sink_attention_kernel(backend: str, dtype_bytes: int, head_dim: int) -> str:
+    """The kernel memplan.kernels.sink_attention runs (its kernel_for): flash attention for
+    fp16/bf16 on CUDA, the memory-efficient kernel for fp32 there, the plain-PyTorch path
+    elsewhere (and for head dims the fused kernels refuse)."""
+    if backend != "cuda":
+        return "math"
+    if dtype_bytes < FP32 and head_dim % 8 == 0 and head_dim <= 256:
+        return "flash"
+    if dtype_bytes == FP32 and head_dim % 4 == 0:
+        return "efficient"
+    return "math"
+
+
+def sink_attention_saved(
+    seq: int, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int, kernel: str
+) -> list[tuple[str, float, int]]:
+    """(name, bytes per token row, constant bytes) of each tensor sink attention saves: q, k
+    and v as given (keys and values not expanded: the memory-efficient kernel's backward
+    expands them again), the output (which o_proj keeps as its input too), the fp32
+    logsumexp per row and head (the memory-efficient kernel pads each (batch, head)'s rows to
+    a multiple of 32), and on CUDA the philox seed and offset (counted as SDPA's are). Not r:
+    the backward recomputes it from the logsumexp."""
+    p = dtype_bytes
+    rows = -(-seq // 32) * 32 if kernel == "efficient" else seq
+    saved = [
+        ("attn.qkv", p * heads * head_dim, 0),
+        ("attn.qkv", p * kv_heads * head_dim, 0),
+        ("attn.qkv", p * kv_heads * head_dim, 0),
+        ("attn.lse", FP32 * heads * rows / seq, 0),
+        ("attn.out", p * heads * head_dim, 0),
+    ]
+    if kernel != "math":
+        saved.append(("attn.rng", 0.0, 2 * 8))
+    return saved
+
+
+def sink_attention_forward_transient(heads: int, dtype_bytes: int) -> int:
+    """Bytes per token row sink attention's forward holds beyond its outputs: L - s and r
+    (fp32, one per row and head) while O is scaled by r in place."""
+    return 2 * FP32 * heads
+
+
+def sink_attention_backward_transient(
+    rows: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int, kernel: str
+) -> list[int]:
+    """The tensors sink attention's backward holds at its peak, for `rows` token rows of
+    sequences of `seq` (dq, dk, dv among them): grad * r (one (rows x heads x head_dim) buffer,
+    first grad * out for the sinks' row sums), then the kernel's backward. Flash attention
+    (mha_bwd): dq, dk, dv, its fp32 dq accumulator and fp32 softmax_d of sequences rounded up
+    to 128 rows (head_dim rounded up to 32), and with grouped heads dk and dv expanded to every
+    query head before their sum. The memory-efficient kernel: k and v expanded again, dq and
+    the expanded dk and dv it returns, and its fp32 delta (rows padded to 32). The plain
+    path (CPU): fp32 scores, probabilities, their gradient and the expanded q, k, v (per
+    (batch, head) every (seq x seq) entry)."""
+    p = dtype_bytes
+    width = heads * head_dim
+    grouped = kv_heads != heads
+    scaled = rows * p * width
+    dq, dkv = rows * p * width, rows * p * kv_heads * head_dim
+    if kernel == "flash":
+        batch = -(-rows // seq)
+        rounded = batch * (-(-seq // 128) * 128)
+        dim = -(-head_dim // 32) * 32 if head_dim <= 192 else 256
+        expanded = [rows * p * width] * 2 if grouped else []
+        accumulator = rounded * FP32 * heads * dim
+        return [scaled, dq, dkv, dkv, accumulator, rounded * FP32 * heads, *expanded]
+    if kernel == "efficient":
+        batch = -(-rows // seq)
+        delta = batch * (-(-seq // 32) * 32) * FP32 * heads
+        inputs = [rows * p * width] * 2 if grouped else []
+        return [scaled, *inputs, dq, rows * p * width, rows * p * width, delta]
+    square = rows * heads * seq * FP32
+    return [scaled, square, square, square, rows * FP32 * width * 3]

@@ -39,6 +39,7 @@ from memplan.estimators.contracts import (
     rotation_saved,
     runs_under_autocast,
     sdpa_math_path,
+    sink_kernel,
     walked_tensor_by_tensor,
 )
 from memplan.estimators.events import EventLog
@@ -712,12 +713,14 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         if spec.attention_sinks and setup.attn == "eager"
         else None,
         # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
-        # gradients where attention materializes scores.
+        # gradients where attention materializes scores; memplan's sink attention its kernel's.
         attention_bwd_transient=[
-            sink_attention_backward_held(spec, setup, dtypes, backend)
+            sink_kernel_backward_held(spec, setup, dtypes, backend, layer)
+            if sink_kernel(ctx)
+            else sink_attention_backward_held(spec, setup, dtypes, backend)
             if setup.attn == "eager" and spec.attention_sinks
             else attention_backward_transient(layer, tokens, p, scores)
-            for layer in layers
+            for layer, ctx in zip(layers, layer_contexts(spec, setup, dtypes, backend), strict=True)
         ],
         flce_autocast_copies=autocast_copies,
         flce_steps=kc.flce_allocations(
@@ -902,11 +905,11 @@ def attention_scores_backward_bytes(
     eager layer, and as three fp32 (heads x seq) tensors in an H200 trace of SDPA's math path
     (smollm2-135m batch 8 x 2048). In bf16 eager, the bf16 probabilities the value matmul saved
     are released by its backward before then, which the saved bytes still count."""
+    contexts = layer_contexts(spec, setup, dtypes, backend)
     math_sdpa = any(
-        sdpa_math_path(ctx.spec, dtypes, backend, attention_masked(ctx))
-        for ctx in layer_contexts(spec, setup, dtypes, backend)
+        sdpa_math_path(ctx.spec, dtypes, backend, attention_masked(ctx)) for ctx in contexts
     )
-    if setup.attn != "eager" and not math_sdpa:
+    if (setup.attn != "eager" and not math_sdpa) or all(sink_kernel(c) for c in contexts):
         return 0
     per_score = 3 * FP32
     if setup.attn == "eager" and dtypes.proj != FP32:
@@ -953,6 +956,11 @@ def sink_layer_forward_peak(
     if not cached:
         locals_ += tokens * kv * hd * 2 * p
     attention = scores - later + locals_ + (0 if recomputed else residual)
+    if sink_kernel(ctx):
+        # memplan's sink attention: L - s and r beside O, nothing after attention made yet
+        after = saved.bytes_of(tokens, AFTER_ATTENTION)
+        attention = tokens * kc.sink_attention_forward_transient(nh, p) - after
+        attention += 0 if recomputed else residual
     k, inter, p_e = spec.num_experts_per_tok, spec.moe_intermediate_size, dtypes.param
     biases = 2 * inter if moe_rules(spec).expert_biases else 0
     rows = tokens * k
@@ -1019,6 +1027,24 @@ def sink_attention_backward_held(
     if not setup.distributed:
         held -= attention_gradients_after_core(spec, setup)
     return [held]
+
+
+def sink_kernel_backward_held(
+    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str, layer: ModelSpec
+) -> list[int]:
+    """What memplan's sink attention backward holds at its peak in one layer (a ModelSpec.layer
+    view): kernel_contracts.sink_attention_backward_transient of the kernel it runs."""
+    p = dtypes.proj
+    kernel = kc.sink_attention_kernel(backend, p, layer.head_dim)
+    return kc.sink_attention_backward_transient(
+        setup.batch * setup.seq,
+        setup.seq,
+        layer.num_attention_heads,
+        layer.num_key_value_heads,
+        layer.head_dim,
+        p,
+        kernel,
+    )
 
 
 def values_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, ctx: LayerContext) -> int:

@@ -212,12 +212,15 @@ class Family:
 
     def kernels(self, activation: str, dense_mlp: bool = True) -> tuple[str, ...]:
         """The memplan kernels that replace an op of this family, in KERNEL_NAMES order; RoPE
-        where memplan patches the attention; the GLU kernel where the family has a gated MLP
+        where memplan patches the attention, and sink attention there where the family has
+        sink logits; the GLU kernel where the family has a gated MLP
         class, some gated MLP runs (`dense_mlp`: a dense layer, or a shared expert beside the
         experts) and the activation has one."""
         found = {"rms_norm", "cross_entropy", "flce", "embedding"}
         if self.patched_rope:
             found.add("rope")
+            if self.patch.attention.sinks_attr is not None:
+                found.add("sink_attention")
         glu = GLU_KERNEL_BY_ACTIVATION.get(activation)
         if glu is not None and self.patch.mlp is not None and dense_mlp:
             found.add(glu)

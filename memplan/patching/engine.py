@@ -46,6 +46,7 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {
     "rms_norm": ("memplan.kernels.rms_norm", "rms_norm"),
     "layer_norm": ("memplan.kernels.layer_norm", "layer_norm"),
     "rope": ("memplan.kernels.rope", "rope"),
+    "sink_attention": ("memplan.kernels.sink_attention", "sink_attention"),
     "swiglu": ("memplan.kernels.swiglu", "swiglu"),
     "geglu": ("memplan.kernels.geglu", "geglu"),
     "cross_entropy": ("memplan.kernels.cross_entropy", "cross_entropy"),
@@ -216,6 +217,8 @@ def apply(
             continue
         if kernel == "flce" and head is not None and not forwards.plain_linear(head):
             skipped[kernel] = _wrapped_head_reason(head)
+        elif kernel == "sink_attention" and "rope" not in chosen:
+            skipped[kernel] = "it runs inside memplan's attention forward, which rope installs"
         else:
             skipped[kernel] = "no module of this model uses it"
     applied = AppliedPatch(
@@ -527,10 +530,19 @@ def _plan_targets(
                     if spec.attention.query_scale == "llama4"
                     else None
                 )
+                # sink attention runs inside this forward, with the family's sink logits
+                sinks = "sink_attention" in chosen and spec.attention.sinks_attr is not None
+                if sinks:
+                    _require(module, (spec.attention.sinks_attr, "attention_dropout"))
                 forward = forwards.attention_forward(
-                    spec.attention, functions["rope"], eager, scale
+                    spec.attention,
+                    functions["rope"],
+                    eager,
+                    scale,
+                    sink_attention=functions["sink_attention"] if sinks else None,
                 )
-                targets.append(_Target(name, module, ("rope",), forward))
+                kernels = ("rope", "sink_attention") if sinks else ("rope",)
+                targets.append(_Target(name, module, kernels, forward))
             elif glu is not None and spec.mlp is not None and cls in spec.mlp.classes:
                 projections = (
                     ("gate_up_proj",) if spec.mlp.fused_gate_up else ("gate_proj", "up_proj")

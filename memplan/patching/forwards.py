@@ -12,6 +12,7 @@ import functools
 import inspect
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -301,17 +302,74 @@ def _rotate(
     )
 
 
+class CausalMasks:
+    """Which attention masks of the model's forward are plain causal masks (with the layer's
+    window): sink attention's kernel computes exactly that and nothing else. transformers
+    builds one mask per layer type per forward and hands the same tensor to each layer of the
+    type, so each is read once (a device sync) and the answer kept beside a weak reference to
+    it, one per window; a mask that has died is never mistaken for a new one. Made at apply
+    time, held by the attention forwards that use it (nothing on the modules)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int | None, tuple[weakref.ref, bool]] = {}
+
+    def plain(self, mask: torch.Tensor, seq: int, window: int | None) -> bool:
+        """Whether `mask` ((batch, 1, seq, seq): additive, 0 where attended, or bool) lets query
+        i attend to exactly the keys j <= i (and j > i - window)."""
+        seen = self._seen.get(window)
+        if seen is not None and seen[0]() is mask:
+            return seen[1]
+        plain = mask.dim() == 4 and tuple(mask.shape[1:]) == (1, seq, seq)
+        if plain:
+            attended = mask if mask.dtype == torch.bool else mask == 0
+            i = torch.arange(seq, device=mask.device)[:, None]
+            j = torch.arange(seq, device=mask.device)[None, :]
+            expected = (j <= i) & (j > i - window) if window is not None else j <= i
+            plain = torch.equal(attended, expected.expand_as(attended))
+        self._seen[window] = (weakref.ref(mask), plain)
+        return plain
+
+
+def sink_kernel_applies(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    window: int | None,
+    masks: CausalMasks,
+    kwargs: dict[str, Any],
+) -> bool:
+    """Whether memplan's sink attention computes what the family's eager attention would for
+    this call: eager chosen (another implementation runs as asked), no dropout in training,
+    no attention weights asked for, keys of the queries' positions only (no cache prefix), and
+    a plain causal mask (padding, packed sequences or a custom mask: HF's eager attention
+    runs). While torch.compile traces, the mask cannot be read: HF's attention runs."""
+    if module.config._attn_implementation not in (None, "eager"):
+        return False
+    if module.training and module.attention_dropout > 0:
+        return False
+    if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
+        return False
+    seq = query.shape[-2]
+    if key.shape[-2] != seq or attention_mask is None or torch.compiler.is_compiling():
+        return False
+    return masks.plain(attention_mask, seq, window)
+
+
 def attention_forward(
     spec: AttentionSpec,
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     eager: Callable,
     query_scale: Callable[..., torch.Tensor] | None = None,
+    sink_attention: Callable[..., torch.Tensor] | None = None,
 ) -> Forward:
     """One attention forward for every family: project, (qk-norm), RoPE kernel (not in a layer
     whose `rope_flag_attr` says it has none), (the queries times the family's
     position-dependent factor: `query_scale`, its get_llama_4_attn_scale, where
     spec.query_scale says so), cache update, then transformers' attention interface chosen by
-    config._attn_implementation."""
+    config._attn_implementation, or `sink_attention` (memplan.kernels.sink_attention) where the
+    family has sinks and the call is one it computes exactly (sink_kernel_applies)."""
+    masks = CausalMasks()
     dropout_attr = spec.output_dropout_attr
     rope_flag_attr = spec.rope_flag_attr
     sliding_flag_attr = spec.sliding_flag_attr
@@ -413,6 +471,21 @@ def attention_forward(
             options["softcap"] = getattr(self, spec.softcap_attr)
         if spec.sinks_attr is not None:
             options["s_aux"] = getattr(self, spec.sinks_attr)
+            fused = sink_attention is not None and sink_kernel_applies(
+                self, query, key, attention_mask, options.get("sliding_window"), masks, kwargs
+            )
+            if fused:
+                # (batch, seq, heads, head_dim) views of the projections: no copy
+                attn_output = sink_attention(
+                    query.transpose(1, 2),
+                    key.transpose(1, 2),
+                    value.transpose(1, 2),
+                    options["s_aux"],
+                    options.get("sliding_window"),
+                    self.scaling,
+                )
+                attn_output = attn_output.reshape(*input_shape, -1)
+                return output_dropout(self, self.o_proj(attn_output), dropout_attr), None
 
         interface = _attention_interface(self.config._attn_implementation, eager)
         attn_output, attn_weights = interface(

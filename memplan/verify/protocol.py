@@ -25,6 +25,7 @@ _SHORT_KERNEL_NAMES = {
     "layer_norm": "ln",
     "cross_entropy": "ce",
     "embedding": "emb",
+    "sink_attention": "sinks",
 }
 
 

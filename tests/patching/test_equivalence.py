@@ -222,6 +222,54 @@ def test_deepseek_v3_patches_its_norms_and_glus_and_keeps_its_latent_attention(
     assert not calls
 
 
+def sink_calls(monkeypatch) -> list[int | None]:
+    """The windows memplan's sink attention is called with, as the patch loads it."""
+    import memplan.kernels.sink_attention as module
+
+    calls: list[int | None] = []
+    kernel = module.sink_attention
+
+    def counting(q, k, v, sinks, window, scale):
+        calls.append(window)
+        return kernel(q, k, v, sinks, window, scale)
+
+    monkeypatch.setattr(module, "sink_attention", counting)
+    return calls
+
+
+def test_gpt_oss_sink_attention_trains_as_hf_eager(monkeypatch):
+    """Without padding, the patched gpt-oss attends through memplan's sink attention in both
+    layers (the sliding one with its window) and trains as HF's eager attention: the loss and
+    every gradient over two AdamW steps, sinks of one layer moved so they matter."""
+    calls = sink_calls(monkeypatch)
+    reference, patched = pair("gpt_oss")
+    applied = mp.apply(patched)
+    assert "sink_attention" in applied.kernels
+    assert applied.modules["sink_attention"] == applied.modules["rope"]
+    window = reference.config.sliding_window
+    with torch.no_grad():
+        for model in (reference, patched):
+            model.model.layers[1].self_attn.sinks.add_(3.0)
+    lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5, pad=0)
+    assert calls and set(calls) == {window, None} and len(calls) % 2 == 0
+
+
+def test_gpt_oss_padding_runs_hf_eager_attention(monkeypatch):
+    """With a padding mask (or sink attention left out) HF's eager attention runs: the mask is
+    not the plain causal one the kernel computes."""
+    calls = sink_calls(monkeypatch)
+    reference, patched = pair("gpt_oss")
+    mp.apply(patched)
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5, pad=3)
+    assert calls == []
+    reference, patched = pair("gpt_oss")
+    mp.apply(patched, kernels=["rms_norm", "rope", "flce"])
+    lockstep(reference, patched, steps=1, loss_tol=1e-5, grad_tol=1e-5, pad=0)
+    assert calls == []
+    skipped = mp.apply(patched, kernels=["rms_norm", "sink_attention"]).skipped
+    assert "rope" in skipped["sink_attention"]
+
+
 @pytest.mark.parametrize(
     "loss_kernel", ["flce", pytest.param("cross_entropy", marks=pytest.mark.slow)]
 )

@@ -166,18 +166,25 @@ def assert_grads_close(reference, patched, tol: float) -> None:
 
 
 def lockstep(
-    reference, patched, steps: int, loss_tol: float, grad_tol: float | None, lr: float = 1e-3
+    reference,
+    patched,
+    steps: int,
+    loss_tol: float,
+    grad_tol: float | None,
+    lr: float = 1e-3,
+    pad: int = 3,
 ):
     """AdamW steps on both models with the same batches: at every step the patched loss must be
     within loss_tol of the reference's, and at the first step every gradient within grad_tol
     (None: not checked). Later steps' gradients are not compared: Adam's first update is about
     lr * sign(g), so entries with |g| near rounding noise move the two models apart by ~lr,
-    which says nothing about the kernels. Returns both loss lists."""
+    which says nothing about the kernels. `pad`: padding tokens in each batch's first row.
+    Returns both loss lists."""
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=lr)
     opt_pat = torch.optim.AdamW(patched.parameters(), lr=lr)
     losses_ref, losses_pat = [], []
     for step in range(steps):
-        inputs = batch(seed=step)
+        inputs = batch(seed=step, pad=pad)
         out_ref, out_pat = reference(**inputs), patched(**inputs)
         out_ref.loss.backward()
         out_pat.loss.backward()
