@@ -327,7 +327,9 @@ def sink_attention_backward_transient(
     (mha_bwd): dq, dk, dv, its fp32 dq accumulator and fp32 softmax_d of sequences rounded up
     to 128 rows (head_dim rounded up to 32), and with grouped heads dk and dv expanded to every
     query head before their sum. The memory-efficient kernel: k and v expanded again, dq and
-    the expanded dk and dv it returns, and its fp32 delta (rows padded to 32). The plain
+    the expanded dk and dv it returns, its fp32 delta (rows padded to 32), and one more
+    q-sized tensor an H100 showed at its peak (b2 x 2048, 64 heads: 66 MiB over the rest,
+    not identified in the source). The plain
     path (CPU): fp32 scores, probabilities, their gradient and the expanded q, k, v (per
     (batch, head) every (seq x seq) entry)."""
     p = dtype_bytes
@@ -346,6 +348,6 @@ def sink_attention_backward_transient(
         batch = -(-rows // seq)
         delta = batch * (-(-seq // 32) * 32) * FP32 * heads
         inputs = [rows * p * width] * 2 if grouped else []
-        return [scaled, *inputs, dq, rows * p * width, rows * p * width, delta]
+        return [scaled, *inputs, dq, rows * p * width, rows * p * width, delta, scaled]
     square = rows * heads * seq * FP32
     return [scaled, square, square, square, rows * FP32 * width * 3]
