@@ -107,10 +107,14 @@ class FastKernel:
 
     def __getitem__(self, grid: tuple[int, ...]):
         if not self._enabled or type(grid) is not tuple:
-            return self.kernel[grid]
+            return lambda *args, **kwargs: None if on_meta(args) else self.kernel[grid](
+                *args, **kwargs
+            )
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if on_meta(args):
+            return
         try:
             if len(args) != self._n_runtime or _launch_hooks_set():
                 raise UnsupportedArgument("arguments or launch hook")
@@ -141,6 +145,16 @@ class FastKernel:
         # no launch metadata and no hooks: a hook set sends calls through Triton (above)
         launcher(grid[0], grid_y, grid_z, stream, function, metadata, None, None, None, *args,
                  *constexprs)  # fmt: skip
+
+
+def on_meta(args: tuple) -> bool:
+    """Whether a launch's first tensor argument is on the meta device. Such a launch does
+    nothing: meta tensors hold no data, and the traced step (memplan/traced) runs the launchers
+    on them only to see what they allocate."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.is_meta
+    return False
 
 
 def fast_launch(kernel: Any) -> FastKernel:

@@ -63,6 +63,12 @@ def launcher(
     return register
 
 
+# The eager autograd.Function of each functional op, by its custom op's name ("memplan::rms_norm"):
+# the traced step (memplan/traced) runs the eager path on meta tensors, to record what the GPU
+# allocates (the custom op's outputs may not alias its inputs; the eager path's may).
+EAGER_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
+
+
 class Op:
     """A differentiable op made from one declaration.
 
@@ -111,6 +117,8 @@ class Op:
 
         Function.__name__ = Function.__qualname__ = f"{name}_function"
         self.function = Function
+        if self.functional:
+            EAGER_FUNCTIONS[f"memplan::{name}"] = Function
 
     def __call__(self, *inputs: Any) -> Any:
         """The op's outputs, through the custom op or the autograd.Function (use_custom_op)."""

@@ -189,6 +189,6 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
     # a parameter is the usual weight; other tensor subclasses (fake, distributed) are torch's
     plain = type(ids) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
     trained = weight.requires_grad and torch.is_grad_enabled()
-    if torch.compiler.is_compiling() or not plain or not trained or weight.is_meta:
+    if torch.compiler.is_compiling() or not plain or not trained:
         return F.embedding(ids, weight, padding_idx)
     return _EmbeddingFunction.apply(ids, weight, padding_idx)

@@ -134,7 +134,7 @@ def _mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
             torch.addmm(out, a, b, out=out)
         else:
             torch.mm(a, b, out=out)
-    elif out.is_cuda:
+    elif out.is_cuda or out.is_meta:  # meta: the traced step follows CUDA's allocations
         torch.addmm(out, a, b, beta=1 if accumulate else 0, out_dtype=out.dtype, out=out)
     elif accumulate:  # CPU has no mixed-dtype GEMM; products of bf16 values are exact in fp32.
         out.addmm_(a.to(out.dtype), b.to(out.dtype))

@@ -160,7 +160,7 @@ def apply(
     patch."""
     hf_model = unwrap(model)
     spec = spec_for(hf_model)
-    _check_device()
+    _check_device(hf_model)
     warn_if_unvalidated(gpu=_gpu_name(hf_model))
     for name, value in (("flce_chunk", flce_chunk), ("flce_memory_budget", flce_memory_budget)):
         if value is not None and (not isinstance(value, int) or value <= 0):
@@ -380,8 +380,10 @@ def _gpu_name(hf_model: nn.Module) -> str | None:
     return torch.cuda.get_device_name(parameter.device)
 
 
-def _check_device() -> None:
+def _check_device(model: nn.Module) -> None:
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if any(p.is_meta for p in model.parameters()):  # traced (memplan/traced): nothing launches
         return
     raise MemplanError(
         "memplan's kernels need a CUDA GPU and none is available "

@@ -105,6 +105,8 @@ def build_model(
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if setup.lora_rank is not None:
             model = _with_lora(model, setup)
+        if setup.kernels:
+            _with_kernels(model, setup)
     except MemplanError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -134,6 +136,23 @@ def _with_lora(model: Any, setup: TrainSetup) -> Any:
             f"LoRA targets {', '.join(setup.lora_targets)} do not name linear layers of this "
             f"model ({_first_line(exc)}); its linear layers: {', '.join(names)}"
         ) from exc
+
+
+def _with_kernels(model: Any, setup: TrainSetup) -> None:
+    """memplan's kernels patched in as the worker patches them; their launchers then run on the
+    meta tensors (traced/tracker.py)."""
+    from memplan.patching import apply
+
+    applied = apply(
+        model,
+        plan=None,
+        kernels=list(setup.kernels),
+        flce_chunk=setup.flce_chunk,
+        flce_memory_budget=setup.flce_memory_budget,
+    )
+    missing = set(setup.kernels) - set(applied.kernels)
+    if missing:
+        raise MemplanError(f"kernels {', '.join(sorted(missing))} do not apply to this model")
 
 
 def _is_linear(module: Any) -> bool:

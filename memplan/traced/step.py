@@ -54,6 +54,8 @@ def make_optimizer(params: list[torch.Tensor], name: str) -> Any:
     lr = protocol.LEARNING_RATE
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=True)
+    if name == "adamw-fused":
+        return _FusedAdamW(params, lr)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, foreach=True)
     if name == "sgd":
@@ -66,6 +68,30 @@ def make_optimizer(params: list[torch.Tensor], name: str) -> Any:
         f"the traced estimate does not model the {name} optimizer (bitsandbytes' kernels "
         "allocate outside torch's view); use adamw, adam, sgd, sgd-momentum or adafactor"
     )
+
+
+class _FusedAdamW(torch.optim.AdamW):
+    """torch's fused AdamW, whose state initialization refuses meta parameters: the state is made
+    here as torch makes it for fused (per parameter: the step count as a tensor on its device,
+    then exp_avg and exp_avg_sq), and the fused kernel's meta function gives the update."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
+        super().__init__(params, lr=lr, foreach=False)
+        for group in self.param_groups:
+            group["fused"] = True
+        self.defaults["fused"] = True
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if p.grad is None or state:
+                    continue
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return super().step(closure)
 
 
 class ModuleLabels:
