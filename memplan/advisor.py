@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from memplan import edge_verdict
 from memplan.catalog import (
     SUPPORTED_MODEL_TYPES,
     gpu_notes,
@@ -294,18 +295,24 @@ def choose_flce_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> int:
 
 
 def largest_batch(
-    spec: ModelSpec, setup: TrainSetup, gpu: Gpu, ceiling: int = MAX_BATCH_SEARCHED
+    spec: ModelSpec,
+    setup: TrainSetup,
+    gpu: Gpu,
+    ceiling: int = MAX_BATCH_SEARCHED,
+    traced: bool = False,
 ) -> int:
     """The largest batch that advise would say fits with these kernels, FLCE's setting chosen
     for each batch as advise chooses it (0 if not even batch 1; `ceiling` when that fits).
-    The bisection ends on a batch that fits next to one that does not."""
+    The bisection ends on a batch that fits next to one that does not. `traced`: the replays
+    near the edge are the traced step's where it applies (edge_verdict)."""
 
     def trial(batch: int) -> TrainSetup:
         return lightest_flce(spec, setup.model_copy(update={"batch": batch}))
 
+    analytic = lambda b: runs(spec, trial(b), gpu)  # noqa: E731
     return largest_running(
         lambda b: estimate(spec, trial(b), gpu).peak_bytes <= gpu.capacity,
-        lambda b: runs(spec, trial(b), gpu),
+        edge_verdict.batch_runs(spec, setup, gpu, analytic) if traced else analytic,
         ceiling,
     )
 
@@ -355,6 +362,7 @@ def advise(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     count_vision_tower: str | None = None,
+    traced_verdict: bool = True,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on.
 
@@ -373,7 +381,9 @@ def advise(
     (their weights; also what a text-only batch gives a trainable tower, which gets no
     gradient) or "trained" (weights, gradients, optimizer states); Advice.vision_tower_params
     says how many parameters they have. Sizes past memplan.limits' bounds are errors that say
-    the bound and why."""
+    the bound and why. `traced_verdict`: at the edge of the capacity the verdict and largest
+    batch come from the traced step's stream where it applies (memplan.edge_verdict); False
+    keeps the analytic replay everywhere."""
     if method not in (None, "analytic", "traced"):
         raise option_error("{} must be analytic or traced, got {value!r}", "method", value=method)
     check_vision_tower_option(count_vision_tower, method, strategy, lora_rank)
@@ -512,11 +522,15 @@ def advise(
     setup = base.model_copy(
         update={"kernels": chosen, "flce_chunk": flce_chunk if "flce" in chosen else None}
     )
-    max_batch = largest_batch(spec, setup, gpu_spec)
+    max_batch = largest_batch(spec, setup, gpu_spec, traced=traced_verdict)
     max_seq = largest_seq(spec, setup, gpu_spec, max(seq, spec.max_position_embeddings))
     setup = with_flce_choice(spec, setup, gpu_spec)
     result = estimate(spec, setup, gpu_spec)
     result = result.model_copy(update={"reserved": predict_reserved(spec, setup, gpu_spec)})
+    if traced_verdict:
+        result = edge_verdict.judged_at_edge(spec, setup, gpu_spec, result)
+        if result.reserved is not None and result.reserved.method == "traced":
+            warnings.append(edge_verdict.NOTE)
     plan = Plan(
         kernels=chosen,
         flce_chunk=setup.flce_chunk,

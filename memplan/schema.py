@@ -435,6 +435,8 @@ class ReservedPrediction(BaseModel):
     reserved_bytes: int
     oom_phase: str | None = None
     oom_label: str | None = None
+    # whose event stream was replayed: the analytic walk's, or the traced step's (at the edge)
+    method: str = "analytic"
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -107,8 +107,8 @@ class FastKernel:
 
     def __getitem__(self, grid: tuple[int, ...]):
         if not self._enabled or type(grid) is not tuple:
-            return lambda *args, **kwargs: None if on_meta(args) else self.kernel[grid](
-                *args, **kwargs
+            return lambda *args, **kwargs: (
+                None if on_meta(args) else self.kernel[grid](*args, **kwargs)
             )
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 

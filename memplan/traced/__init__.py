@@ -23,13 +23,14 @@ def trace_config(
     *,
     name: str | None = None,
     trust_remote_code: bool = False,
+    steps: int = 2,
 ) -> TracedEstimate:
     """The traced estimate of the protocol's step for the model a config.json dict describes."""
     from memplan.traced.model import hf_config
     from memplan.traced.step import trace_steps
 
     hf = hf_config(config, name=name, trust_remote_code=trust_remote_code)
-    run = trace_steps(hf, setup, gpu, trust_remote_code=trust_remote_code)
+    run = trace_steps(hf, setup, gpu, steps=steps, trust_remote_code=trust_remote_code)
     return memory_estimate(run)
 
 

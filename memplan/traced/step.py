@@ -48,6 +48,9 @@ class TracedRun:
     attention_calls: dict[Any, str] = field(default_factory=dict)  # SdpaCall -> kernel
 
 
+TRACEABLE_OPTIMIZERS = ("adamw", "adamw-fused", "adam", "sgd", "sgd-momentum", "adafactor")
+
+
 def make_optimizer(params: list[torch.Tensor], name: str) -> Any:
     """The worker's optimizer, with the implementation torch picks on CUDA (foreach for Adam,
     AdamW and SGD; on the meta device torch would pick the per-tensor loop)."""
