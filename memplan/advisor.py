@@ -522,11 +522,14 @@ def advise(
     setup = base.model_copy(
         update={"kernels": chosen, "flce_chunk": flce_chunk if "flce" in chosen else None}
     )
-    max_batch = largest_batch(spec, setup, gpu_spec, traced=traced_verdict)
+    planned = setup
     max_seq = largest_seq(spec, setup, gpu_spec, max(seq, spec.max_position_embeddings))
     setup = with_flce_choice(spec, setup, gpu_spec)
     result = estimate(spec, setup, gpu_spec)
     result = result.model_copy(update={"reserved": predict_reserved(spec, setup, gpu_spec)})
+    # the traced step is asked only where the step itself is at the edge: advise stays fast
+    traced_verdict = traced_verdict and edge_verdict.at_edge(result.peak_bytes, gpu_spec)
+    max_batch = largest_batch(spec, planned, gpu_spec, traced=traced_verdict)
     if traced_verdict:
         result = edge_verdict.judged_at_edge(spec, setup, gpu_spec, result)
         if result.reserved is not None and result.reserved.method == "traced":
