@@ -382,8 +382,8 @@ def advise(
     gradient) or "trained" (weights, gradients, optimizer states); Advice.vision_tower_params
     says how many parameters they have. Sizes past memplan.limits' bounds are errors that say
     the bound and why. `traced_verdict`: at the edge of the capacity the verdict and largest
-    batch come from the traced step's stream where it applies (memplan.edge_verdict); False
-    keeps the analytic replay everywhere."""
+    batch come from the traced step's stream where it applies (memplan.edge_verdict); False,
+    or method="analytic", keeps the analytic replay everywhere (under 1 s)."""
     if method not in (None, "analytic", "traced"):
         raise option_error("{} must be analytic or traced, got {value!r}", "method", value=method)
     check_vision_tower_option(count_vision_tower, method, strategy, lora_rank)
@@ -528,7 +528,11 @@ def advise(
     result = estimate(spec, setup, gpu_spec)
     result = result.model_copy(update={"reserved": predict_reserved(spec, setup, gpu_spec)})
     # the traced step is asked only where the step itself is at the edge: advise stays fast
-    traced_verdict = traced_verdict and edge_verdict.at_edge(result.peak_bytes, gpu_spec)
+    traced_verdict = (
+        traced_verdict
+        and method != "analytic"
+        and edge_verdict.at_edge(result.peak_bytes, gpu_spec)
+    )
     max_batch = largest_batch(spec, planned, gpu_spec, traced=traced_verdict)
     if traced_verdict:
         result = edge_verdict.judged_at_edge(spec, setup, gpu_spec, result)

@@ -100,9 +100,10 @@ def cli() -> None:
     default="auto",
     show_default=True,
     type=click.Choice(["auto", "analytic", "traced"]),
-    help="analytic: the registry's memory contracts (under 1 s); traced: run the model's "
+    help="analytic: the registry's memory contracts only (under 1 s); traced: run the model's "
     "transformers code on meta tensors (torch + transformers, seconds); auto: analytic for "
-    "registry families, traced otherwise",
+    "registry families, traced otherwise, and at the edge of the GPU's memory the verdict from "
+    "the traced step where it applies (seconds)",
 )
 @click.option(
     "--gpus",

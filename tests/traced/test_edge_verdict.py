@@ -92,3 +92,5 @@ def test_advise_says_when_the_traced_step_gave_the_verdict() -> None:
     assert traced.max_batch == 20
     far = advise("llama-3.2-1b", 2, 2048, **args)  # 40% of the capacity: analytic
     assert far.estimate.reserved.method == "analytic"
+    asked = advise("llama-3.2-1b", 20, 2048, method="analytic", **args)  # contracts only
+    assert asked.estimate.reserved.method == "analytic" and not asked.fits
