@@ -1,13 +1,21 @@
 """DeepSpeed ZeRO stages 1-3 (DeepSpeed 0.19) as accelerate configures them with the Hugging Face
-"auto" sizes, rank 0's view: predicted from DeepSpeed's code, not measured (docs/distributed.md
-says what is left out).
+"auto" sizes, rank 0's view: predicted from DeepSpeed's code, measured on two H100s
+(docs/distributed.md, which says what is left out).
 
 Under DeepSpeed's bf16 mode (accelerate's mixed precision bf16, or a bf16 model) the weights
 and their gradients are bf16 and the optimizer steps an fp32 master copy of rank 0's partition;
 with fp32 everything is fp32 (stage 3 then steps the partition itself). The reduce bucket is
 hidden_size**2 elements (the "auto" value), doubled by overlap_comm, which DeepSpeed turns on
-for stage 3 only; stage 3 prefetches 0.9 * hidden_size**2 elements and keeps a gathered
-parameter until 1e9 elements of others were used since (stage3_max_reuse_distance).
+for stage 3 only.
+
+Stage 3's gathered weights. Step 1 records the module trace: each module's parameters are
+gathered at its forward (or backward) and released after it. From step 2 on, each module's fetch
+also prefetches the next 0.9 * hidden_size**2 elements of the trace that are not gathered; as a
+decoder layer makes more fetches (containers, persistent norms) than it has prefetch units, the
+prefetcher runs ahead until stage3_max_live_parameters (1e9 elements) are gathered, then holds
+that many: the parameters next used in the trace, through the end of forward and into backward,
+until fewer than that are left to use. Seen on two gloo ranks (llama, 16 layers, the thresholds
+scaled with the model) and on two H100s (llama-3.2-1b: 1.89 GiB gathered at the loss backward).
 
 CPU offload as accelerate configures it (offload_optimizer_device cpu, and offload_param_device
 cpu at stage 3): the fp32 partition, its gradient and AdamW's states live in pinned CPU memory
@@ -29,6 +37,11 @@ if TYPE_CHECKING:  # the walk imports this module
     from memplan.estimators.timeline import RunTensors, StepBuilder
 
 MAX_REUSE_DISTANCE = 10**9
+# stage3_max_live_parameters: the prefetcher stops adding parameters once this many are gathered
+MAX_LIVE_PARAMETERS = 10**9
+# stage3_param_persistence_threshold as accelerate's "auto" sets it, per hidden element: smaller
+# parameters (norms, biases) stay gathered, outside the prefetcher's count
+PERSISTENCE_PER_HIDDEN = 10
 # DeepSpeed computes the gradient norm per partition slice in fp64.
 NORM_BYTES = 8
 
@@ -63,7 +76,8 @@ class Zero(OneGpu):
         self.overlap = self.stage == 3
         self._grads: list[int] = []
         self._ipg: list[int] = []
-        self._gathered: dict[str, list[int]] = {}
+        self._gathered: dict[tuple[str, int], int] = {}  # (group, parameter index) -> tensor
+        self.persistence = PERSISTENCE_PER_HIDDEN * spec.hidden_size
 
     def _trainable(self, name: str) -> int:
         group = self.groups.get(name)
@@ -131,36 +145,66 @@ class Zero(OneGpu):
         return True
 
     # ------------------------------------------------------------------ gathers (stage 3)
-    def _gather(self, builder: StepBuilder, group: str) -> None:
-        if self.stage < 3 or self.ranks == 1 or self._gathered.get(group):
-            return
-        numel = self.numel[self._name(group)]
-        self._gathered[group] = [
-            builder.alloc("gathered_weights", -(-numel // self.ranks) * self.ranks * self.element)
+    def _params(self, group: str) -> list[tuple[tuple[str, int], int]]:
+        """(key, elements) of the group's gathered parameters (persistent ones excluded), in
+        backward order (a layer's MLP before its attention)."""
+        name = self._name(group)
+        found = self.groups.get(name)
+        params = list(found.params) if found else []
+        return [
+            ((group, i), p.numel)
+            for i, p in reversed(list(enumerate(params)))
+            if p.numel > self.persistence
         ]
 
-    def _release(self, builder: StepBuilder, group: str, steady: bool, distance: int) -> None:
-        if steady and distance < MAX_REUSE_DISTANCE:
-            return  # used again soon: kept gathered
-        builder.free_all(self._gathered.pop(group, []))
+    def _backward_order(self, group: str | None) -> list[str]:
+        """The groups backward uses from `group` on (None: all of them), in order; the tied
+        embedding (the tail) is used again last, by the embedding's backward."""
+        order = ["tail"] + [f"layer {i}" for i in reversed(range(self.layers))]
+        order.append("embedding" if "embedding" in self.groups else "tail")
+        return order if group is None else order[order.index(group) :]
 
-    def _distance(self, group: str) -> int:
-        """Elements of other parameters used between this group's forward and its backward."""
-        if group == "tail":
-            return 0
-        if group == "embedding":
-            return 2 * self.total
-        index = int(group.split()[-1])
-        return 2 * (self.layers - 1 - index) * self.numel["layer"] + self.numel["tail"]
+    def _window(self, group: str | None) -> list[tuple[tuple[str, int], int]]:
+        """The parameters next used from `group`'s backward on, distinct, until the prefetcher's
+        count reaches MAX_LIVE_PARAMETERS (the one that crosses it included)."""
+        window: list[tuple[tuple[str, int], int]] = []
+        seen: set[tuple[str, int]] = set()
+        count = 0
+        for name in self._backward_order(group):
+            for key, numel in self._params(name):
+                if count >= MAX_LIVE_PARAMETERS:
+                    return window
+                if key not in seen:
+                    seen.add(key)
+                    window.append((key, numel))
+                    count += numel
+        return window
+
+    def _hold(self, builder: StepBuilder, wanted: list[tuple[tuple[str, int], int]]) -> None:
+        """Gathers exactly `wanted`: frees the others, allocates the missing ones in order."""
+        if self.stage < 3 or self.ranks == 1:
+            return
+        keys = {key for key, _ in wanted}
+        builder.free_all([self._gathered.pop(k) for k in list(self._gathered) if k not in keys])
+        for key, numel in wanted:
+            if key not in self._gathered:
+                padded = -(-numel // self.ranks) * self.ranks
+                self._gathered[key] = builder.alloc("gathered_weights", padded * self.element)
 
     def forward_enter(self, builder: StepBuilder, group: str) -> None:
-        self._gather(builder, group)
+        # step 1 holds the module it runs; later steps the prefetcher's window
+        self._hold(builder, self._window(None) if self.steady else self._params(group))
 
     def forward_exit(self, builder: StepBuilder, group: str) -> None:
-        self._release(builder, group, self.steady, self._distance(group))
+        if not self.steady:
+            self._hold(builder, [])
+
+    def forward_end(self, builder: StepBuilder) -> None:
+        if not self.steady:  # lm_head's weight, released after its forward
+            self._hold(builder, [])
 
     def backward_enter(self, builder: StepBuilder, group: str) -> None:
-        self._gather(builder, group)
+        self._hold(builder, self._window(group) if self.steady else self._params(group))
         if not self._ipg and self.stage < 3:  # the reduce bucket, at the first gradient
             self._ipg = builder.alloc_all(
                 "reduce_scatter_buffers", [self.bucket * self.element] * (1 + self.overlap)
@@ -216,8 +260,11 @@ class Zero(OneGpu):
         return before < self.partition
 
     def backward_exit(self, builder: StepBuilder, group: str, run: RunTensors, sync: bool) -> None:
-        if self.stage == 3:
-            self._release(builder, group, False, 0)
+        if not self.steady:
+            self._hold(builder, [])
+            return
+        order = self._backward_order(group)
+        self._hold(builder, self._window(order[1]) if len(order) > 1 else [])
 
     def backward_end(self, builder: StepBuilder, run: RunTensors, sync: bool) -> None:
         if self.stage == 1 and self.offload:  # reduced through the bucket to the host
@@ -233,8 +280,7 @@ class Zero(OneGpu):
             run.gradients.append(builder.alloc("gradients", self.partition * self.element))
         builder.free_all(self._ipg)
         self._ipg = []
-        for group in list(self._gathered):
-            builder.free_all(self._gathered.pop(group))
+        self._hold(builder, [])
 
     def optimizer_enter(self, builder: StepBuilder, run: RunTensors) -> list[int]:
         """The step's own temporaries before the optimizer's: the fp64 norm of the largest

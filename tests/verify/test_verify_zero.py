@@ -13,7 +13,12 @@ import torch
 from click.testing import CliRunner
 
 from memplan.errors import MemplanError, UsageError
-from memplan.estimators.zero import MAX_REUSE_DISTANCE, Zero
+from memplan.estimators.zero import (
+    MAX_LIVE_PARAMETERS,
+    MAX_REUSE_DISTANCE,
+    PERSISTENCE_PER_HIDDEN,
+    Zero,
+)
 from memplan.schema import GIB, TrainSetup, VerifyCase
 from memplan.verify import distributed, protocol, worker
 from memplan.verify.cli import verify_command
@@ -55,7 +60,8 @@ def test_the_config_is_the_one_zero_py_models(strategy: str, precision: str) -> 
     assert section["stage"] == zero.stage
     assert section["reduce_bucket_size"] == zero.bucket == hidden**2
     assert section["stage3_prefetch_bucket_size"] == int(0.9 * hidden**2)
-    assert section["stage3_param_persistence_threshold"] == 10 * hidden
+    assert section["stage3_param_persistence_threshold"] == zero.persistence
+    assert zero.persistence == PERSISTENCE_PER_HIDDEN * hidden
     assert section["offload_optimizer"] == section["offload_param"] == {"device": "none"}
     # bf16 mode holds 2-byte weights and gradients; fp32 holds 4
     assert config["bf16"]["enabled"] == (zero.element == 2)
@@ -67,6 +73,7 @@ def test_the_config_is_the_one_zero_py_models(strategy: str, precision: str) -> 
     parsed = deepspeed_zero.DeepSpeedZeroConfig(**section)
     assert parsed.overlap_comm == zero.overlap  # DeepSpeed's default: on for stage 3 only
     assert parsed.max_reuse_distance == MAX_REUSE_DISTANCE
+    assert parsed.max_live_parameters == MAX_LIVE_PARAMETERS
     assert parsed.reduce_bucket_size == zero.bucket
 
 
