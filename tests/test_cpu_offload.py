@@ -113,7 +113,7 @@ def test_advise_names_the_offload_and_its_host_memory() -> None:
     assert "with FSDP2 and CPU offload (rank 0's peak)" in text
     host = advice.estimate.host_bytes
     assert host > 0 and f"CPU offload: {host / GIB:.2f} GiB of host memory per rank" in text
-    assert "unmeasured on a GPU" in advice.warnings[-1]
+    assert "CPU offload: 4 cases measured on an H100" in advice.warnings[-1]
     zero = advise("llama-3.2-1b", 4, 2048, gpus=2, strategy="zero2", cpu_offload=True)
     assert "CPU offload predicted from DeepSpeed's code; unmeasured" in zero.warnings[-1]
     plain = advise("llama-3.2-1b", 4, 2048, gpus=2, strategy="fsdp2")
