@@ -26,6 +26,7 @@ from memplan.estimators.contracts import (
     Saved,
     adapters_share_inputs,
     attention_masked,
+    attention_path,
     autocast_weight_params,
     autocast_weight_tensors,
     every_expert_moe_backward,
@@ -38,6 +39,7 @@ from memplan.estimators.contracts import (
     o_input_kept,
     rotation_saved,
     runs_under_autocast,
+    scores_attention_backward,
     sdpa_math_path,
     sink_kernel,
     walked_tensor_by_tensor,
@@ -53,6 +55,7 @@ from memplan.estimators.params import (
     lora_params,
     lora_shapes,
     moe_rules,
+    qk_norm_widths,
 )
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
@@ -169,6 +172,11 @@ class ForwardSaved:
     # none).
     embedding_output: list[int] = field(default_factory=list)
     moe_backward: list[list[MoeStep]] = field(default_factory=list)
+    # Per layer, the names of the allocations saved before the MLP, as the forward and a
+    # checkpointed recomputation make them (the attention's backward frees them by name where
+    # it materializes scores: contracts.scores_attention_backward).
+    before_names: list[list[str]] = field(default_factory=list)
+    recomputed_before_names: list[list[str]] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -196,12 +204,14 @@ def saved_allocations(
     return [n for n in sizes if n > 0]
 
 
-def saved_names(saved: Saved, tokens: int, prefixes: tuple[str, ...]) -> list[str]:
-    """The names of saved_allocations(saved, tokens, prefixes), in the same order."""
+def saved_names(
+    saved: Saved, tokens: int, prefixes: tuple[str, ...], matching: bool = True
+) -> list[str]:
+    """The names of saved_allocations(saved, tokens, prefixes, matching), in the same order."""
     return [
         name
         for name, per_token, constant in saved.tensors
-        if name.startswith(prefixes) and int(per_token * tokens) + constant > 0
+        if name.startswith(prefixes) == matching and int(per_token * tokens) + constant > 0
     ]
 
 
@@ -227,6 +237,7 @@ def forward_saved(
         layer_input += ("norm.attn" + INPUT_ITSELF,)
     moe_peaks: dict[tuple[bool, ...], list[list[int]]] = {}
     after_names: dict[tuple[bool, ...], list[str]] = {}
+    before_names: dict[tuple[bool, ...], tuple[list[str], list[str]]] = {}
     moe_backward: dict[tuple[bool, ...], list[MoeStep]] = {}
     for ctx in contexts:
         kind = layer_kind(ctx)
@@ -239,6 +250,10 @@ def forward_saved(
             recomputed[kind] = ([blocks(n) for n in before], by_kind[kind][1])
             moe_peaks[kind] = moe_forward_peaks(ctx, saved, tokens, blocks)
             after_names[kind] = saved_names(saved, tokens, AFTER_ATTENTION)
+            before_names[kind] = (
+                saved_names(saved, tokens, AFTER_ATTENTION, matching=False),
+                saved_names(saved, tokens, AFTER_ATTENTION + layer_input, matching=False),
+            )
             every_expert = spec.moe_router == "sigmoid_every_expert" and ctx.output_needs_grad(1)
             moe_backward[kind] = every_expert_moe_backward(ctx, tokens) if every_expert else []
     final = Saved()
@@ -277,6 +292,8 @@ def forward_saved(
         if first_norm_keeps_input(contexts[0]) or setup.grad_checkpointing
         else [blocks(tokens * spec.hidden_size * dtypes.residual)],
         moe_backward=[moe_backward[layer_kind(ctx)] for ctx in contexts],
+        before_names=[before_names[layer_kind(ctx)][0] for ctx in contexts],
+        recomputed_before_names=[before_names[layer_kind(ctx)][1] for ctx in contexts],
         forward_masks=[]
         if setup.grad_checkpointing
         else [blocks(n) for n in chunked_model_masks(setup, dtypes, contexts)],
@@ -580,6 +597,9 @@ class StepSizes:
     layer_fwd_peak_delta: int | None
     recomputed_peak_delta: int | None
     attention_bwd_transient: list[list[int]]  # per layer
+    # per layer, the attention backward as a program where it materializes scores (its saved
+    # tensors freed by name), else empty: attention_bwd_transient's mark instead
+    attention_bwd_steps: list[list[MoeStep]]
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
     flce_grads_to_fp32: list[int]
@@ -655,6 +675,10 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     weights = DtypePlan.of(setup.precision)  # weights, their gradients, optimizer states
     states, step_temp = optimizer_tensors(spec, setup, weights, layout_for(spec, setup))
     under_autocast = runs_under_autocast(setup)
+    gradients = [
+        layer_gradients(spec.layer(index), setup, weights.param, index)
+        for index in range(spec.num_hidden_layers)
+    ]
     setup = computed_setup(setup)  # activations, as the step computes them
     dtypes = DtypePlan.of(setup.precision)
     counts = count_params(spec)
@@ -722,6 +746,12 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             else attention_backward_transient(layer, tokens, p, scores)
             for layer, ctx in zip(layers, layer_contexts(spec, setup, dtypes, backend), strict=True)
         ],
+        attention_bwd_steps=[
+            scores_backward_steps(ctx, tokens, grads)
+            for ctx, grads in zip(
+                layer_contexts(spec, setup, dtypes, backend, under_autocast), gradients, strict=True
+            )
+        ],
         flce_autocast_copies=autocast_copies,
         flce_steps=kc.flce_allocations(
             tokens, h, spec.vocab_size, p, chunk, not lora, budget_bytes=budget
@@ -738,6 +768,21 @@ def qkv_widths(layer: ModelSpec) -> tuple[int, int, int]:
     if layer.mla:
         return layer.head_dim, layer.head_dim, layer.qk_nope_dim + layer.value_dim
     return (layer.head_dim,) * 3
+
+
+def scores_backward_steps(
+    ctx: LayerContext, tokens: int, gradients: LayerGradients
+) -> list[MoeStep]:
+    """A layer's attention backward as contracts.scores_attention_backward's program where it
+    materializes scores (gpt-oss's sinks: sink_attention_backward_held); empty elsewhere.
+    Where nothing before o_proj needs a gradient, o_proj's backward alone."""
+    if attention_path(ctx) != "scores" or ctx.spec.attention_sinks:
+        return []
+    o_grads = gradients.attention[: gradients.attention_o]
+    rest = gradients.attention[gradients.attention_o :]
+    if not ctx.output_needs_grad(0):
+        return [("grad", n) for n in gradients.attention]
+    return scores_attention_backward(ctx, tokens, o_grads, rest)
 
 
 def layers_autocast_weight_params(spec: ModelSpec) -> int:
@@ -1152,14 +1197,16 @@ class LayerGradients:
     them (each part's in reverse registration order)."""
 
     mlp: list[int]
-    attention: list[int]
+    attention: list[int]  # o_proj's first
     norms: list[int]
+    attention_o: int = 0  # how many of `attention` o_proj's backward writes
 
 
 def layer_gradients(
-    spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, index: int = 0
+    spec: ModelSpec, setup: TrainSetup, param_bytes: int, index: int = 0
 ) -> LayerGradients:
-    """Layer `index`'s gradients (`spec`: its ModelSpec.layer view)."""
+    """Layer `index`'s gradients (`spec`: its ModelSpec.layer view; `param_bytes` per element
+    of a weight's gradient)."""
     if setup.lora_rank:
         adapters = [
             (target, n * FP32)
@@ -1169,19 +1216,26 @@ def layer_gradients(
             for n in (fan_out * setup.lora_rank, setup.lora_rank * fan_in)
         ]
         mlp = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] >= 2]
-        attention = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] < 2]
-        return LayerGradients(mlp=mlp, attention=attention, norms=[])
+        o_proj = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] == 1]
+        qkv = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] == 0]
+        return LayerGradients(mlp=mlp, attention=o_proj + qkv, norms=[], attention_o=len(o_proj))
     tensors = param_tensors(spec)
     router_fp32 = router_weights_fp32(spec, setup)
     first = len(tensors.attention)
     mlp = [
-        n * tensors.width_at(index, first + position, sizes.param_bytes, router_fp32)
+        n * tensors.width_at(index, first + position, param_bytes, router_fp32)
         for position, n in enumerate(tensors.mlp_at(index))
     ]
+    # registration order: ..., o_proj (and its bias), then q_norm and k_norm (but Gemma 4's)
+    attention = [n * param_bytes for n in reversed(tensors.attention)]
+    norms_after = 0 if spec.v_norm else len(qk_norm_widths(spec))
+    o_proj = 2 if spec.attention_out_bias else 1
+    o_first = attention[norms_after : norms_after + o_proj]
     return LayerGradients(
         mlp=mlp[::-1],
-        attention=[n * sizes.param_bytes for n in reversed(tensors.attention)],
-        norms=[n * sizes.param_bytes for n in reversed(tensors.norms)],
+        attention=o_first + attention[:norms_after] + attention[norms_after + o_proj :],
+        norms=[n * param_bytes for n in reversed(tensors.norms)],
+        attention_o=o_proj,
     )
 
 
@@ -1281,7 +1335,8 @@ def walk_step(
         if ckpt:
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
-            kept_before = builder.alloc_all("activations", before)
+            by_name = bool(sizes.attention_bwd_steps[index])
+            kept_before = alloc_saved(builder, before, by_name)
             layer_kept.append((kept_before, alloc_saved_after(builder, saved, index, after)))
             if sizes.layer_fwd_peak_delta is not None:
                 builder.mark("forward", f"layer {index}", [sizes.layer_fwd_peak_delta])
@@ -1400,7 +1455,7 @@ def walk_step(
     if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
         run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
     for index in reversed(range(len(saved.layer_entries))):
-        gradients = layer_gradients(spec.layer(index), setup, sizes, index)
+        gradients = layer_gradients(spec.layer(index), setup, sizes.param_bytes, index)
         label = f"layer {index} backward"
         checkpoint_input: list[int] = []
         builder.at("backward", label)
@@ -1412,8 +1467,9 @@ def walk_step(
             builder.free_all(kv_kept.pop(index, []))
             recomputed_kv = builder.alloc_all("activations", sizes.kept_kv[index].unsaved)
             recomputed_before, recomputed_after = saved.recomputed_entries[index]
+            by_name = bool(sizes.attention_bwd_steps[index])
             layer_kept[index] = (
-                builder.alloc_all("transient", recomputed_before),
+                alloc_saved(builder, recomputed_before, by_name, "transient"),
                 alloc_saved_after(builder, saved, index, recomputed_after, "transient"),
             )
             if sizes.recomputed_peak_delta is not None:
@@ -1429,6 +1485,12 @@ def walk_step(
             if part == "mlp" and saved.moe_backward and saved.moe_backward[index]:
                 names = saved.after_names[index]
                 program = saved.moe_backward[index]
+                grads = play_moe_backward(builder, program, names, kept, label, accumulating)
+                keep_gradients(f"layer {index}", part, *grads)
+                continue
+            if part == "attention" and sizes.attention_bwd_steps[index]:
+                names = (saved.recomputed_before_names if ckpt else saved.before_names)[index]
+                program = sizes.attention_bwd_steps[index]
                 grads = play_moe_backward(builder, program, names, kept, label, accumulating)
                 keep_gradients(f"layer {index}", part, *grads)
                 continue
@@ -1499,7 +1561,15 @@ def alloc_saved_after(
 ) -> list[int]:
     """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
     them one by one (ForwardSaved.moe_backward), else as alloc_all makes them."""
-    if not (saved.moe_backward and saved.moe_backward[index]):
+    return alloc_saved(builder, sizes, bool(saved.moe_backward and saved.moe_backward[index]))
+
+
+def alloc_saved(
+    builder: StepBuilder, sizes: list[int], by_name: bool, category: str = "activations"
+) -> list[int]:
+    """Saved allocations: one each where a backward program frees them by name (`by_name`),
+    else as alloc_all makes them."""
+    if not by_name:
         return builder.alloc_all(category, sizes)
     return [t for t in (builder.alloc(category, n) for n in sizes) if t is not None]
 
