@@ -40,7 +40,6 @@ from memplan.estimators.contracts import (
     rotation_saved,
     runs_under_autocast,
     scores_attention_backward,
-    sdpa_math_path,
     sink_kernel,
     walked_tensor_by_tensor,
 )
@@ -693,8 +692,8 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         chunk = setup.flce_chunk or kc.flce_default_chunk(tokens, h, spec.vocab_size)
     # Under autocast FLCE casts the fp32 hidden states and lm_head weight to bf16 copies.
     autocast_copies = [tokens * h * p, spec.vocab_size * h * p] if dtypes.autocast else []
-    scores = attention_scores_backward_bytes(spec, setup, dtypes, backend)
     layers = spec.layers()
+    contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
     return StepSizes(
         counts=counts,
         param_bytes=weights.param,
@@ -736,21 +735,22 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         recomputed_peak_delta=sink_layer_forward_peak(spec, setup, dtypes, backend, True)
         if spec.attention_sinks and setup.attn == "eager"
         else None,
-        # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
-        # gradients where attention materializes scores; memplan's sink attention its kernel's.
+        # A fused kernel's backward holds dq, dk, dv and an fp32 dq accumulator; memplan's sink
+        # attention its kernel's; where attention materializes scores its program walks it
+        # (attention_bwd_steps).
         attention_bwd_transient=[
-            sink_kernel_backward_held(spec, setup, dtypes, backend, layer)
+            sink_kernel_backward_held(spec, setup, dtypes, backend, ctx.spec)
             if sink_kernel(ctx)
             else sink_attention_backward_held(spec, setup, dtypes, backend)
             if setup.attn == "eager" and spec.attention_sinks
-            else attention_backward_transient(layer, tokens, p, scores)
-            for layer, ctx in zip(layers, layer_contexts(spec, setup, dtypes, backend), strict=True)
+            else []
+            if attention_path(ctx) == "scores"
+            else attention_backward_transient(ctx.spec, tokens, p)
+            for ctx in contexts
         ],
         attention_bwd_steps=[
             scores_backward_steps(ctx, tokens, grads)
-            for ctx, grads in zip(
-                layer_contexts(spec, setup, dtypes, backend, under_autocast), gradients, strict=True
-            )
+            for ctx, grads in zip(contexts, gradients, strict=True)
         ],
         flce_autocast_copies=autocast_copies,
         flce_steps=kc.flce_allocations(
@@ -810,14 +810,11 @@ def mlp_backward_transient(
     return [tokens * p * inter] * (1 if glu_in_place else 3) + [tokens * p * h] * 2
 
 
-def attention_backward_transient(layer: ModelSpec, tokens: int, p: int, scores: int) -> list[int]:
-    """What one layer's (a ModelSpec.layer view) attention backward holds: dq, dk, dv and an
-    fp32 dq accumulator, or the score-sized gradients where attention materializes scores."""
+def attention_backward_transient(layer: ModelSpec, tokens: int, p: int) -> list[int]:
+    """What one layer's (a ModelSpec.layer view) fused attention backward holds: dq, dk, dv and
+    an fp32 dq accumulator."""
     nh, kv, hd = layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
     vd = layer.value_dim  # latent attention's v heads are narrower than q's and k's
-    flash = p * (nh + kv) * hd + p * kv * vd + FP32 * nh * hd
-    if scores > flash:
-        return [tokens * scores]
     dq, dk = tokens * p * nh * hd, tokens * p * kv * hd
     return [dq, dk, tokens * p * kv * vd, tokens * FP32 * nh * hd]
 
@@ -938,32 +935,6 @@ def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
     experts = spec.num_experts * 2 * spec.moe_intermediate_size * h
     tower = max(trained_vision_tower(spec, setup), default=0)
     return max(spec.vocab_size * h, dense, heads * h, experts, tower)
-
-
-def attention_scores_backward_bytes(
-    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str
-) -> int:
-    """Per token: what backward holds beyond the saved probabilities when attention materializes
-    (heads x seq) scores (by then the layer's MLP has freed what it saved). Softmax backward on
-    CUDA (softmax_backward_cuda_out) holds its fp32 input d(probs), the d(scores) it writes and
-    grad * output, a third fp32 tensor it forms first: seen in an H100 allocation trace of an
-    eager layer, and as three fp32 (heads x seq) tensors in an H200 trace of SDPA's math path
-    (smollm2-135m batch 8 x 2048). In bf16 eager, the bf16 probabilities the value matmul saved
-    are released by its backward before then, which the saved bytes still count."""
-    contexts = layer_contexts(spec, setup, dtypes, backend)
-    math_sdpa = any(
-        sdpa_math_path(ctx.spec, dtypes, backend, attention_masked(ctx)) for ctx in contexts
-    )
-    if (setup.attn != "eager" and not math_sdpa) or all(sink_kernel(c) for c in contexts):
-        return 0
-    per_score = 3 * FP32
-    if setup.attn == "eager" and dtypes.proj != FP32:
-        per_score -= dtypes.proj
-    held = spec.num_attention_heads * setup.seq * per_score
-    if spec.mla and setup.attn == "eager":
-        # latent attention's v is a contiguous copy only the value matmul keeps: gone by then
-        held -= spec.num_attention_heads * spec.value_dim * dtypes.proj
-    return held
 
 
 def sink_layer_forward_peak(
