@@ -330,9 +330,12 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add("attn.lse", FP32 * nh)
     out.add("attn.out", p * nh * hd)
     hf_attention = "rope" not in ctx.kernels  # memplan's patched attention makes no copy
-    # phi3 reshapes SDPA's output into a copy; so does every family where the output takes q's
-    # layout (attention_output_follows_query) and q is heads-major
-    copied = (spec.fused_qkv and hf_attention) or (
+    # Where the output takes q's layout (attention_output_follows_query) and q is heads-major,
+    # the (batch, seq, heads x head_dim) reshape copies it. phi3's RoPE concatenates its rotated
+    # part with the rest (empty or not): its q is heads-major, and the output of every kernel
+    # but the memory-efficient one (on CUDA: fp32; bf16 with a mask goes to cuDNN) is copied.
+    efficient_output = path == "memory_efficient" and ctx.backend == "cuda" and p == FP32
+    copied = (spec.fused_qkv and hf_attention and not efficient_output) or (
         ctx.queries_heads_major and attention_output_follows_query(ctx, path)
     )
     if copied and o_input_kept(ctx):
