@@ -101,15 +101,18 @@ def walked_tensor_by_tensor(spec: ModelSpec) -> bool:
 
 
 # Entries of layer_saved that the layer saves after attention (its MLP or MoE block and the norms
-# around it).
+# around it, the MLP's adapters and autocast's copies of its weights): its backward frees them.
 AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "moe.", "norm.post_mlp")
+AFTER_ATTENTION += tuple(f"lora.{w}{m}" for w in ("", "weights.") for m in ("gate", "up", "down"))
 # The entry of layer_saved for what q, k and v keep of the layer's input in a post-norm layer.
 LAYER_INPUT = "attn.in"
 # What matmul(probs, v) keeps where attention materializes scores: the probabilities' cast (or
 # their dropped copy) for v's gradient and the repeated v for theirs; its backward frees them.
 PV_SAVED = ("attn.probs.cast", "attn.qkv.v")
-# What o_proj's backward frees: its input, its adapter's saved tensors, autocast's weight copies.
+# What the backward of o_proj (and of the dropout after it, which runs first) frees: its input,
+# its adapter's saved tensors, autocast's weight copies, the dropout's mask.
 O_PROJ_SAVED = ("attn.out", "lora.o_proj", "lora.weights.o_proj", "autocast.weights.o_proj")
+O_PROJ_SAVED += ("attn.residual_dropout",)
 
 
 @dataclass(frozen=True)
@@ -1107,11 +1110,15 @@ def autocast_weight_names(spec: ModelSpec, moe: bool = False) -> list[str]:
     """The layer_saved names of autocast_weight_tensors(spec, 0, moe)'s copies."""
     count = len(autocast_weight_tensors(spec, 0, moe))
     qkv = count - len(autocast_weight_tensors(spec, 1, moe))
-    names = ["autocast.weights"] * qkv + [O_PROJ_SAVED[-1]]
+    names = ["autocast.weights"] * qkv + ["autocast.weights.o_proj"]
     if not (moe and spec.moe_router == "sigmoid_every_expert"):
-        return names + ["autocast.weights"] * (count - qkv - 1)
+        return names + [MLP_AUTOCAST_WEIGHTS] * (count - qkv - 1)
     experts = list(EVERY_EXPERT_AUTOCAST_NAMES)
-    return names + ["autocast.weights"] * (count - qkv - 1 - len(experts)) + experts
+    return names + [MLP_AUTOCAST_WEIGHTS] * (count - qkv - 1 - len(experts)) + experts
+
+
+# autocast's copies of the MLP's (or MoE block's router and shared expert's) weights
+MLP_AUTOCAST_WEIGHTS = "mlp.autocast.weights"
 
 
 def gemma_norms(spec: ModelSpec) -> bool:

@@ -19,6 +19,7 @@ from memplan.estimators.contracts import (
     INT64,
     LAYER_INPUT,
     LORA_TARGET_STAGE,
+    MLP_AUTOCAST_WEIGHTS,
     SHARED_EXPERT,
     DtypePlan,
     LayerContext,
@@ -959,6 +960,7 @@ def sink_layer_forward_peak(
     saved = layer_saved(ctx)
     residual = tokens * h * dtypes.residual
     later = saved.bytes_of(tokens, ("attn.probs", "attn.out") + AFTER_ATTENTION)
+    later -= saved.bytes_of(tokens, (MLP_AUTOCAST_WEIGHTS,))  # counted below
     if dtypes.autocast:  # o_proj's and the router's weight copies are made after the scores
         later += p * h * (nh * hd + spec.num_experts)
     scores = tokens * nh * p_logits * (seq + 2 * (seq + 1) + 1)
