@@ -798,9 +798,11 @@ def layers_autocast_weight_params(spec: ModelSpec) -> int:
 def mlp_backward_transient(
     spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, moe: bool
 ) -> list[int]:
-    """MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
-    (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
-    d(product) when the projections are separate); a MoE layer's over its routed rows."""
+    """MLP backward holds d(product), d(act) and d(up) at once: in a dense layer less the saved
+    product, which down_proj's backward has freed where it trains (gate_proj's and up_proj's
+    input gradients come after: traced step); a MoE layer's over its routed rows, plus the
+    input gradients (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up,
+    so only d(product) when the projections are separate)."""
     tokens, p, h = setup.batch * setup.seq, dtypes.proj, spec.hidden_size
     inter = spec.moe_intermediate_size * spec.num_experts_per_tok if moe else spec.intermediate_size
     glu_in_place = (
@@ -808,6 +810,8 @@ def mlp_backward_transient(
         and not spec.fused_gate_up
         and not moe
     )
+    if not moe and not glu_in_place:
+        return [tokens * p * inter] * (3 - (not setup.lora_rank))
     return [tokens * p * inter] * (1 if glu_in_place else 3) + [tokens * p * h] * 2
 
 
