@@ -600,6 +600,7 @@ class StepSizes:
     # per layer, the attention backward as a program where it materializes scores (its saved
     # tensors freed by name), else empty: attention_bwd_transient's mark instead
     attention_bwd_steps: list[list[MoeStep]]
+    gradients: list[LayerGradients]  # per layer, its weights' gradients (layer_gradients)
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
     flce_grads_to_fp32: list[int]
@@ -753,6 +754,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             scores_backward_steps(ctx, tokens, grads)
             for ctx, grads in zip(contexts, gradients, strict=True)
         ],
+        gradients=gradients,
         flce_autocast_copies=autocast_copies,
         flce_steps=kc.flce_allocations(
             tokens, h, spec.vocab_size, p, chunk, not lora, budget_bytes=budget
@@ -1432,7 +1434,7 @@ def walk_step(
     if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
         run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
     for index in reversed(range(len(saved.layer_entries))):
-        gradients = layer_gradients(spec.layer(index), setup, sizes.param_bytes, index)
+        gradients = sizes.gradients[index]
         label = f"layer {index} backward"
         checkpoint_input: list[int] = []
         builder.at("backward", label)
@@ -1566,6 +1568,9 @@ def play_moe_backward(
     is added into the one kept as soon as it is made, and holds nothing at the high points."""
     temporaries: dict[str, int | None] = {}
     saved = dict(enumerate(zip(names, kept, strict=True)))
+    by_name: dict[str, list[int]] = {}
+    for key, name in enumerate(names):
+        by_name.setdefault(name, []).append(key)
     grads: list[int] = []
     for step in steps:
         action = step[0]
@@ -1574,9 +1579,11 @@ def play_moe_backward(
         elif action == "free":
             builder.free(temporaries.pop(step[1], None))
         elif action in ("free_saved", "free_saved_one"):
-            keys = [k for k, (name, _) in saved.items() if name == step[1]]
-            for key in keys[:1] if action == "free_saved_one" else keys:
+            keys = by_name.get(step[1], [])
+            chosen = keys[:1] if action == "free_saved_one" else list(keys)
+            for key in chosen:
                 builder.free(saved.pop(key)[1])
+            del keys[: len(chosen)]
         elif action == "grad":
             grads.append(step[1])
             made = 0 if accumulating else step[1]
