@@ -411,13 +411,12 @@ def latent_attention_saved(ctx: LayerContext, out: Saved) -> None:
         scores_grad = q_grad or k_grad
         p_scores = scores_bytes(ctx)
         # matmul(probs, v) keeps a contiguous copy of v's strided view (the math path its
-        # fp32 copy)
-        out.add_each(
-            "attn.qkv", p_scores * nh * hd * k_grad, p_scores * nh * hd * q_grad,
-            p_scores * nh * vd * scores_grad,
-        )  # fmt: skip
+        # fp32 copy), which only it keeps: freed by its backward (PV_SAVED), as is the cast
+        out.add_each("attn.qkv", p_scores * nh * hd * k_grad, p_scores * nh * hd * q_grad)
+        out.add(PV_SAVED[1], p_scores * nh * vd * scores_grad)
         cast_kept = v_grad and (p_scores < FP32 or not scores_grad)
-        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p_scores * nh * seq * cast_kept)
+        out.add("attn.probs", FP32 * nh * seq * scores_grad)
+        out.add(PV_SAVED[0], p_scores * nh * seq * cast_kept)
         if o_input_kept(ctx):
             out.add("attn.out", p * nh * vd)
         return
@@ -492,6 +491,9 @@ def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
     gives both outputs a gradient when either input has one."""
     if ctx.needs_input_grad:
         return True, True, True
+    if ctx.spec.mla:  # k and v both come out of kv_b_proj (k's rotated part: the kv latent)
+        grads = latent_grads(ctx)
+        return grads.q, grads.kv, grads.kv
     q, k, v = (ctx.adapted(name, "qkv_proj") for name in ("q_proj", "k_proj", "v_proj"))
     if ctx.rope_kernel:
         q = k = q or k
@@ -855,12 +857,13 @@ def scores_attention_backward(
     ctx: LayerContext, tokens: int, o_grads: list[int], rest_grads: list[int]
 ) -> list[MoeStep]:
     """The backward of attention that materializes (heads x seq) scores (eager, SDPA's math
-    path; not gpt-oss's sinks), in autograd's order, as MoeSteps over the layer's entries saved
-    before its MLP: o_proj's (its weight gradients `o_grads`, its input's gradient, what it
-    saved freed), matmul(probs, v)'s (d(v) repeated to all heads and d(probs); the cast or
-    dropped probabilities and the repeated v freed), dropout's (its mask freed), the cast of
-    d(probs) to the softmax's dtype, softmax backward at the high point: d(probs), the d(scores)
-    it writes and grad * output, which CUDA's kernel forms first and frees before it returns
+    path; latent attention's too, its v heads value_dim wide; not gpt-oss's sinks), in
+    autograd's order, as MoeSteps over the layer's entries saved before its MLP: o_proj's (its
+    weight gradients `o_grads`, its input's gradient, what it saved freed), matmul(probs, v)'s
+    (d(v) repeated to all heads and d(probs); the cast or dropped probabilities and the
+    repeated v freed), dropout's (its mask freed), the cast of d(probs) to the softmax's dtype,
+    softmax backward at the high point: d(probs), the d(scores) it writes and grad * output,
+    which CUDA's kernel forms first and frees before it returns
     (benchmarks/results_softmax_backward_trace_h100.json); then matmul(q, k)'s, and the
     gradients of q, k, v and their projections (`rest_grads`) after it."""
     spec = ctx.spec
@@ -870,10 +873,11 @@ def scores_attention_backward(
     q_grad, k_grad, v_grad = qkv_need_grad(ctx)
     scores_grad = q_grad or k_grad
     heads, scores = tokens * nh * hd, tokens * nh * seq
+    values = tokens * nh * spec.value_dim  # latent attention's v heads: narrower than q's
     steps: list[MoeStep] = [("grad", n) for n in o_grads]
-    steps += [("alloc", "d_out", heads * p)]
+    steps += [("alloc", "d_out", values * p)]
     steps += [("free_saved", name) for name in O_PROJ_SAVED]
-    steps += [("alloc", "d_v", heads * ps * v_grad)]
+    steps += [("alloc", "d_v", values * ps * v_grad)]
     steps += [("alloc", "d_probs", scores * ps * scores_grad)]
     steps += [("free", "d_out"), *(("free_saved", name) for name in PV_SAVED)]
     if scores_grad:
