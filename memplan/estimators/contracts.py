@@ -101,10 +101,18 @@ def walked_tensor_by_tensor(spec: ModelSpec) -> bool:
 
 
 # Entries of layer_saved that the layer saves after attention (its MLP or MoE block and the norms
-# around it).
+# around it, the MLP's adapters and autocast's copies of its weights): its backward frees them.
 AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "moe.", "norm.post_mlp")
+AFTER_ATTENTION += tuple(f"lora.{w}{m}" for w in ("", "weights.") for m in ("gate", "up", "down"))
 # The entry of layer_saved for what q, k and v keep of the layer's input in a post-norm layer.
 LAYER_INPUT = "attn.in"
+# What matmul(probs, v) keeps where attention materializes scores: the probabilities' cast (or
+# their dropped copy) for v's gradient and the repeated v for theirs; its backward frees them.
+PV_SAVED = ("attn.probs.cast", "attn.qkv.v")
+# What the backward of o_proj (and of the dropout after it, which runs first) frees: its input,
+# its adapter's saved tensors, autocast's weight copies, the dropout's mask.
+O_PROJ_SAVED = ("attn.out", "lora.o_proj", "lora.weights.o_proj", "autocast.weights.o_proj")
+O_PROJ_SAVED += ("attn.residual_dropout",)
 
 
 @dataclass(frozen=True)
@@ -284,22 +292,23 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         scores_grad = q_grad or k_grad
         p_scores = scores_bytes(ctx)
         dropout = spec.attention_dropout > 0
+        # q and k (for each other's gradient), then v (PV_SAVED: freed by that matmul's backward)
+        out.add_each("attn.qkv", *[p_scores * nh * hd] * (k_grad + q_grad))
+        v_name = "attn.qkv" if spec.attention_sinks else PV_SAVED[1]
+        out.add(v_name, p_scores * nh * hd * scores_grad)
         if ctx.setup.attn == "eager" and not spec.eager_softmax_fp32:
             # Llama 4's softmax in q's dtype: its output is the one tensor it and
             # matmul(probs, v) keep
-            out.add_each("attn.qkv", *[p_scores * nh * hd] * (k_grad + q_grad + scores_grad))
             out.add("attn.probs", p_scores * nh * seq * (scores_grad or v_grad))
             if o_input_kept(ctx):
                 out.add("attn.out", p * nh * hd)
             return
-        out.add_each("attn.qkv", *[p_scores * nh * hd] * (k_grad + q_grad + scores_grad))
         if spec.attention_sinks:
             sink_probs_saved(ctx, out, scores_grad, v_grad)
         else:
             cast_kept = v_grad and (dropout or p_scores < FP32 or not scores_grad)
-            out.add_each(
-                "attn.probs", FP32 * nh * seq * scores_grad, p_scores * nh * seq * cast_kept
-            )
+            out.add("attn.probs", FP32 * nh * seq * scores_grad)
+            out.add(PV_SAVED[0], p_scores * nh * seq * cast_kept)
         if dropout and scores_grad:
             out.add("attn.dropout", dropout_saved_bytes(ctx, p_scores) * nh * seq)
         if ctx.setup.attn == "eager" and spec.attn_logit_softcapping and scores_grad:
@@ -324,9 +333,12 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         out.add("attn.lse", FP32 * nh)
     out.add("attn.out", p * nh * hd)
     hf_attention = "rope" not in ctx.kernels  # memplan's patched attention makes no copy
-    # phi3 reshapes SDPA's output into a copy; so does every family where the output takes q's
-    # layout (attention_output_follows_query) and q is heads-major
-    copied = (spec.fused_qkv and hf_attention) or (
+    # Where the output takes q's layout (attention_output_follows_query) and q is heads-major,
+    # the (batch, seq, heads x head_dim) reshape copies it. phi3's RoPE concatenates its rotated
+    # part with the rest (empty or not): its q is heads-major, and the output of every kernel
+    # but the memory-efficient one (on CUDA: fp32; bf16 with a mask goes to cuDNN) is copied.
+    efficient_output = path == "memory_efficient" and ctx.backend == "cuda" and p == FP32
+    copied = (spec.fused_qkv and hf_attention and not efficient_output) or (
         ctx.queries_heads_major and attention_output_follows_query(ctx, path)
     )
     if copied and o_input_kept(ctx):
@@ -399,13 +411,12 @@ def latent_attention_saved(ctx: LayerContext, out: Saved) -> None:
         scores_grad = q_grad or k_grad
         p_scores = scores_bytes(ctx)
         # matmul(probs, v) keeps a contiguous copy of v's strided view (the math path its
-        # fp32 copy)
-        out.add_each(
-            "attn.qkv", p_scores * nh * hd * k_grad, p_scores * nh * hd * q_grad,
-            p_scores * nh * vd * scores_grad,
-        )  # fmt: skip
+        # fp32 copy), which only it keeps: freed by its backward (PV_SAVED), as is the cast
+        out.add_each("attn.qkv", p_scores * nh * hd * k_grad, p_scores * nh * hd * q_grad)
+        out.add(PV_SAVED[1], p_scores * nh * vd * scores_grad)
         cast_kept = v_grad and (p_scores < FP32 or not scores_grad)
-        out.add_each("attn.probs", FP32 * nh * seq * scores_grad, p_scores * nh * seq * cast_kept)
+        out.add("attn.probs", FP32 * nh * seq * scores_grad)
+        out.add(PV_SAVED[0], p_scores * nh * seq * cast_kept)
         if o_input_kept(ctx):
             out.add("attn.out", p * nh * vd)
         return
@@ -480,6 +491,9 @@ def qkv_need_grad(ctx: LayerContext) -> tuple[bool, bool, bool]:
     gives both outputs a gradient when either input has one."""
     if ctx.needs_input_grad:
         return True, True, True
+    if ctx.spec.mla:  # k and v both come out of kv_b_proj (k's rotated part: the kv latent)
+        grads = latent_grads(ctx)
+        return grads.q, grads.kv, grads.kv
     q, k, v = (ctx.adapted(name, "qkv_proj") for name in ("q_proj", "k_proj", "v_proj"))
     if ctx.rope_kernel:
         q = k = q or k
@@ -839,6 +853,51 @@ def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[MoeStep]:
     return [*steps, ("free", "g_residual")]
 
 
+def scores_attention_backward(
+    ctx: LayerContext, tokens: int, o_grads: list[int], rest_grads: list[int]
+) -> list[MoeStep]:
+    """The backward of attention that materializes (heads x seq) scores (eager, SDPA's math
+    path; latent attention's too, its v heads value_dim wide; not gpt-oss's sinks), in
+    autograd's order, as MoeSteps over the layer's entries saved before its MLP: o_proj's (its
+    weight gradients `o_grads`, its input's gradient, what it saved freed), matmul(probs, v)'s
+    (d(v) repeated to all heads and d(probs); the cast or dropped probabilities and the
+    repeated v freed), dropout's (its mask freed), the cast of d(probs) to the softmax's dtype,
+    softmax backward at the high point: d(probs), the d(scores) it writes and grad * output,
+    which CUDA's kernel forms first and frees before it returns
+    (benchmarks/results_softmax_backward_trace_h100.json); then matmul(q, k)'s, and the
+    gradients of q, k, v and their projections (`rest_grads`) after it."""
+    spec = ctx.spec
+    nh, hd, seq = spec.num_attention_heads, spec.head_dim, ctx.seq
+    p, ps = ctx.dtypes.proj, scores_bytes(ctx)
+    softmax = FP32 if ctx.setup.attn != "eager" or spec.eager_softmax_fp32 else ps
+    q_grad, k_grad, v_grad = qkv_need_grad(ctx)
+    scores_grad = q_grad or k_grad
+    heads, scores = tokens * nh * hd, tokens * nh * seq
+    values = tokens * nh * spec.value_dim  # latent attention's v heads: narrower than q's
+    steps: list[MoeStep] = [("grad", n) for n in o_grads]
+    steps += [("alloc", "d_out", values * p)]
+    steps += [("free_saved", name) for name in O_PROJ_SAVED]
+    steps += [("alloc", "d_v", values * ps * v_grad)]
+    steps += [("alloc", "d_probs", scores * ps * scores_grad)]
+    steps += [("free", "d_out"), *(("free_saved", name) for name in PV_SAVED)]
+    if scores_grad:
+        grad = "d_probs"
+        if spec.attention_dropout > 0:  # d(probs) before dropout, from its kept mask
+            steps += [("alloc", "d_undropped", scores * ps), ("free", grad)]
+            steps += [("free_saved", "attn.dropout")]
+            grad = "d_undropped"
+        if softmax != ps:
+            steps += [("alloc", "d_probs_cast", scores * softmax), ("free", grad)]
+        steps += [("alloc", "d_scores", scores * softmax)]
+        steps += [("alloc", "grad_x_out", scores * softmax)]
+        steps += [("mark",), ("free", "grad_x_out"), ("free", grad), ("free", "d_probs_cast")]
+        steps += [("free_saved", "attn.probs")]
+        steps += [("alloc", "d_q", heads * ps * q_grad), ("alloc", "d_k", heads * ps * k_grad)]
+        steps += [("free", "d_scores")]
+    steps += [("grad", n) for n in rest_grads]
+    return [*steps, ("free", "d_q"), ("free", "d_k"), ("free", "d_v")]
+
+
 # The entries of layer_saved of Llama 4's shared expert, which runs after the experts.
 SHARED_EXPERT = "mlp.shared"
 
@@ -1054,10 +1113,16 @@ EVERY_EXPERT_AUTOCAST_NAMES = (
 def autocast_weight_names(spec: ModelSpec, moe: bool = False) -> list[str]:
     """The layer_saved names of autocast_weight_tensors(spec, 0, moe)'s copies."""
     count = len(autocast_weight_tensors(spec, 0, moe))
+    qkv = count - len(autocast_weight_tensors(spec, 1, moe))
+    names = ["autocast.weights"] * qkv + ["autocast.weights.o_proj"]
     if not (moe and spec.moe_router == "sigmoid_every_expert"):
-        return ["autocast.weights"] * count
-    moe = len(EVERY_EXPERT_AUTOCAST_NAMES)
-    return ["autocast.weights"] * (count - moe) + list(EVERY_EXPERT_AUTOCAST_NAMES)
+        return names + [MLP_AUTOCAST_WEIGHTS] * (count - qkv - 1)
+    experts = list(EVERY_EXPERT_AUTOCAST_NAMES)
+    return names + [MLP_AUTOCAST_WEIGHTS] * (count - qkv - 1 - len(experts)) + experts
+
+
+# autocast's copies of the MLP's (or MoE block's router and shared expert's) weights
+MLP_AUTOCAST_WEIGHTS = "mlp.autocast.weights"
 
 
 def gemma_norms(spec: ModelSpec) -> bool:

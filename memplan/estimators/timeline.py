@@ -19,6 +19,7 @@ from memplan.estimators.contracts import (
     INT64,
     LAYER_INPUT,
     LORA_TARGET_STAGE,
+    MLP_AUTOCAST_WEIGHTS,
     SHARED_EXPERT,
     DtypePlan,
     LayerContext,
@@ -26,6 +27,7 @@ from memplan.estimators.contracts import (
     Saved,
     adapters_share_inputs,
     attention_masked,
+    attention_path,
     autocast_weight_params,
     autocast_weight_tensors,
     every_expert_moe_backward,
@@ -38,7 +40,7 @@ from memplan.estimators.contracts import (
     o_input_kept,
     rotation_saved,
     runs_under_autocast,
-    sdpa_math_path,
+    scores_attention_backward,
     sink_kernel,
     walked_tensor_by_tensor,
 )
@@ -53,6 +55,7 @@ from memplan.estimators.params import (
     lora_params,
     lora_shapes,
     moe_rules,
+    qk_norm_widths,
 )
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
@@ -169,6 +172,11 @@ class ForwardSaved:
     # none).
     embedding_output: list[int] = field(default_factory=list)
     moe_backward: list[list[MoeStep]] = field(default_factory=list)
+    # Per layer, the names of the allocations saved before the MLP, as the forward and a
+    # checkpointed recomputation make them (the attention's backward frees them by name where
+    # it materializes scores: contracts.scores_attention_backward).
+    before_names: list[list[str]] = field(default_factory=list)
+    recomputed_before_names: list[list[str]] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -196,12 +204,14 @@ def saved_allocations(
     return [n for n in sizes if n > 0]
 
 
-def saved_names(saved: Saved, tokens: int, prefixes: tuple[str, ...]) -> list[str]:
-    """The names of saved_allocations(saved, tokens, prefixes), in the same order."""
+def saved_names(
+    saved: Saved, tokens: int, prefixes: tuple[str, ...], matching: bool = True
+) -> list[str]:
+    """The names of saved_allocations(saved, tokens, prefixes, matching), in the same order."""
     return [
         name
         for name, per_token, constant in saved.tensors
-        if name.startswith(prefixes) and int(per_token * tokens) + constant > 0
+        if name.startswith(prefixes) == matching and int(per_token * tokens) + constant > 0
     ]
 
 
@@ -227,6 +237,7 @@ def forward_saved(
         layer_input += ("norm.attn" + INPUT_ITSELF,)
     moe_peaks: dict[tuple[bool, ...], list[list[int]]] = {}
     after_names: dict[tuple[bool, ...], list[str]] = {}
+    before_names: dict[tuple[bool, ...], tuple[list[str], list[str]]] = {}
     moe_backward: dict[tuple[bool, ...], list[MoeStep]] = {}
     for ctx in contexts:
         kind = layer_kind(ctx)
@@ -239,6 +250,10 @@ def forward_saved(
             recomputed[kind] = ([blocks(n) for n in before], by_kind[kind][1])
             moe_peaks[kind] = moe_forward_peaks(ctx, saved, tokens, blocks)
             after_names[kind] = saved_names(saved, tokens, AFTER_ATTENTION)
+            before_names[kind] = (
+                saved_names(saved, tokens, AFTER_ATTENTION, matching=False),
+                saved_names(saved, tokens, AFTER_ATTENTION + layer_input, matching=False),
+            )
             every_expert = spec.moe_router == "sigmoid_every_expert" and ctx.output_needs_grad(1)
             moe_backward[kind] = every_expert_moe_backward(ctx, tokens) if every_expert else []
     final = Saved()
@@ -277,6 +292,8 @@ def forward_saved(
         if first_norm_keeps_input(contexts[0]) or setup.grad_checkpointing
         else [blocks(tokens * spec.hidden_size * dtypes.residual)],
         moe_backward=[moe_backward[layer_kind(ctx)] for ctx in contexts],
+        before_names=[before_names[layer_kind(ctx)][0] for ctx in contexts],
+        recomputed_before_names=[before_names[layer_kind(ctx)][1] for ctx in contexts],
         forward_masks=[]
         if setup.grad_checkpointing
         else [blocks(n) for n in chunked_model_masks(setup, dtypes, contexts)],
@@ -580,6 +597,10 @@ class StepSizes:
     layer_fwd_peak_delta: int | None
     recomputed_peak_delta: int | None
     attention_bwd_transient: list[list[int]]  # per layer
+    # per layer, the attention backward as a program where it materializes scores (its saved
+    # tensors freed by name), else empty: attention_bwd_transient's mark instead
+    attention_bwd_steps: list[list[MoeStep]]
+    gradients: list[LayerGradients]  # per layer, its weights' gradients (layer_gradients)
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
     flce_grads_to_fp32: list[int]
@@ -655,6 +676,10 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     weights = DtypePlan.of(setup.precision)  # weights, their gradients, optimizer states
     states, step_temp = optimizer_tensors(spec, setup, weights, layout_for(spec, setup))
     under_autocast = runs_under_autocast(setup)
+    gradients = [
+        layer_gradients(spec.layer(index), setup, weights.param, index)
+        for index in range(spec.num_hidden_layers)
+    ]
     setup = computed_setup(setup)  # activations, as the step computes them
     dtypes = DtypePlan.of(setup.precision)
     counts = count_params(spec)
@@ -669,8 +694,8 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         chunk = setup.flce_chunk or kc.flce_default_chunk(tokens, h, spec.vocab_size)
     # Under autocast FLCE casts the fp32 hidden states and lm_head weight to bf16 copies.
     autocast_copies = [tokens * h * p, spec.vocab_size * h * p] if dtypes.autocast else []
-    scores = attention_scores_backward_bytes(spec, setup, dtypes, backend)
     layers = spec.layers()
+    contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
     return StepSizes(
         counts=counts,
         param_bytes=weights.param,
@@ -712,16 +737,24 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         recomputed_peak_delta=sink_layer_forward_peak(spec, setup, dtypes, backend, True)
         if spec.attention_sinks and setup.attn == "eager"
         else None,
-        # Attention backward holds dq, dk, dv and an fp32 dq accumulator, or the score-sized
-        # gradients where attention materializes scores; memplan's sink attention its kernel's.
+        # A fused kernel's backward holds dq, dk, dv and an fp32 dq accumulator; memplan's sink
+        # attention its kernel's; where attention materializes scores its program walks it
+        # (attention_bwd_steps).
         attention_bwd_transient=[
-            sink_kernel_backward_held(spec, setup, dtypes, backend, layer)
+            sink_kernel_backward_held(spec, setup, dtypes, backend, ctx.spec)
             if sink_kernel(ctx)
             else sink_attention_backward_held(spec, setup, dtypes, backend)
             if setup.attn == "eager" and spec.attention_sinks
-            else attention_backward_transient(layer, tokens, p, scores)
-            for layer, ctx in zip(layers, layer_contexts(spec, setup, dtypes, backend), strict=True)
+            else []
+            if attention_path(ctx) == "scores"
+            else attention_backward_transient(ctx.spec, tokens, p)
+            for ctx in contexts
         ],
+        attention_bwd_steps=[
+            scores_backward_steps(ctx, tokens, grads)
+            for ctx, grads in zip(contexts, gradients, strict=True)
+        ],
+        gradients=gradients,
         flce_autocast_copies=autocast_copies,
         flce_steps=kc.flce_allocations(
             tokens, h, spec.vocab_size, p, chunk, not lora, budget_bytes=budget
@@ -740,6 +773,21 @@ def qkv_widths(layer: ModelSpec) -> tuple[int, int, int]:
     return (layer.head_dim,) * 3
 
 
+def scores_backward_steps(
+    ctx: LayerContext, tokens: int, gradients: LayerGradients
+) -> list[MoeStep]:
+    """A layer's attention backward as contracts.scores_attention_backward's program where it
+    materializes scores (gpt-oss's sinks: sink_attention_backward_held); empty elsewhere.
+    Where nothing before o_proj needs a gradient, o_proj's backward alone."""
+    if attention_path(ctx) != "scores" or ctx.spec.attention_sinks:
+        return []
+    o_grads = gradients.attention[: gradients.attention_o]
+    rest = gradients.attention[gradients.attention_o :]
+    if not ctx.output_needs_grad(0):
+        return [("grad", n) for n in gradients.attention]
+    return scores_attention_backward(ctx, tokens, o_grads, rest)
+
+
 def layers_autocast_weight_params(spec: ModelSpec) -> int:
     """The weights of every decoder layer (each as ModelSpec.layer sees it, a MoE layer's router
     and shared expert) that autocast caches a low-precision copy of."""
@@ -752,9 +800,11 @@ def layers_autocast_weight_params(spec: ModelSpec) -> int:
 def mlp_backward_transient(
     spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, moe: bool
 ) -> list[int]:
-    """MLP backward holds d(product), d(act) and d(up) at once, plus the input gradients
-    (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up, so only
-    d(product) when the projections are separate); a MoE layer's over its routed rows."""
+    """MLP backward holds d(product), d(act) and d(up) at once: in a dense layer less the saved
+    product, which down_proj's backward has freed where it trains (gate_proj's and up_proj's
+    input gradients come after: traced step); a MoE layer's over its routed rows, plus the
+    input gradients (memplan's GLU kernel writes d(gate) and d(up) over the saved gate and up,
+    so only d(product) when the projections are separate)."""
     tokens, p, h = setup.batch * setup.seq, dtypes.proj, spec.hidden_size
     inter = spec.moe_intermediate_size * spec.num_experts_per_tok if moe else spec.intermediate_size
     glu_in_place = (
@@ -762,17 +812,16 @@ def mlp_backward_transient(
         and not spec.fused_gate_up
         and not moe
     )
+    if not moe and not glu_in_place:
+        return [tokens * p * inter] * (3 - (not setup.lora_rank))
     return [tokens * p * inter] * (1 if glu_in_place else 3) + [tokens * p * h] * 2
 
 
-def attention_backward_transient(layer: ModelSpec, tokens: int, p: int, scores: int) -> list[int]:
-    """What one layer's (a ModelSpec.layer view) attention backward holds: dq, dk, dv and an
-    fp32 dq accumulator, or the score-sized gradients where attention materializes scores."""
+def attention_backward_transient(layer: ModelSpec, tokens: int, p: int) -> list[int]:
+    """What one layer's (a ModelSpec.layer view) fused attention backward holds: dq, dk, dv and
+    an fp32 dq accumulator."""
     nh, kv, hd = layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
     vd = layer.value_dim  # latent attention's v heads are narrower than q's and k's
-    flash = p * (nh + kv) * hd + p * kv * vd + FP32 * nh * hd
-    if scores > flash:
-        return [tokens * scores]
     dq, dk = tokens * p * nh * hd, tokens * p * kv * hd
     return [dq, dk, tokens * p * kv * vd, tokens * FP32 * nh * hd]
 
@@ -895,32 +944,6 @@ def largest_trainable_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
     return max(spec.vocab_size * h, dense, heads * h, experts, tower)
 
 
-def attention_scores_backward_bytes(
-    spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str
-) -> int:
-    """Per token: what backward holds beyond the saved probabilities when attention materializes
-    (heads x seq) scores (by then the layer's MLP has freed what it saved). Softmax backward on
-    CUDA (softmax_backward_cuda_out) holds its fp32 input d(probs), the d(scores) it writes and
-    grad * output, a third fp32 tensor it forms first: seen in an H100 allocation trace of an
-    eager layer, and as three fp32 (heads x seq) tensors in an H200 trace of SDPA's math path
-    (smollm2-135m batch 8 x 2048). In bf16 eager, the bf16 probabilities the value matmul saved
-    are released by its backward before then, which the saved bytes still count."""
-    contexts = layer_contexts(spec, setup, dtypes, backend)
-    math_sdpa = any(
-        sdpa_math_path(ctx.spec, dtypes, backend, attention_masked(ctx)) for ctx in contexts
-    )
-    if (setup.attn != "eager" and not math_sdpa) or all(sink_kernel(c) for c in contexts):
-        return 0
-    per_score = 3 * FP32
-    if setup.attn == "eager" and dtypes.proj != FP32:
-        per_score -= dtypes.proj
-    held = spec.num_attention_heads * setup.seq * per_score
-    if spec.mla and setup.attn == "eager":
-        # latent attention's v is a contiguous copy only the value matmul keeps: gone by then
-        held -= spec.num_attention_heads * spec.value_dim * dtypes.proj
-    return held
-
-
 def sink_layer_forward_peak(
     spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, backend: str, recomputed: bool
 ) -> int:
@@ -943,6 +966,7 @@ def sink_layer_forward_peak(
     saved = layer_saved(ctx)
     residual = tokens * h * dtypes.residual
     later = saved.bytes_of(tokens, ("attn.probs", "attn.out") + AFTER_ATTENTION)
+    later -= saved.bytes_of(tokens, (MLP_AUTOCAST_WEIGHTS,))  # counted below
     if dtypes.autocast:  # o_proj's and the router's weight copies are made after the scores
         later += p * h * (nh * hd + spec.num_experts)
     scores = tokens * nh * p_logits * (seq + 2 * (seq + 1) + 1)
@@ -1152,14 +1176,16 @@ class LayerGradients:
     them (each part's in reverse registration order)."""
 
     mlp: list[int]
-    attention: list[int]
+    attention: list[int]  # o_proj's first
     norms: list[int]
+    attention_o: int = 0  # how many of `attention` o_proj's backward writes
 
 
 def layer_gradients(
-    spec: ModelSpec, setup: TrainSetup, sizes: StepSizes, index: int = 0
+    spec: ModelSpec, setup: TrainSetup, param_bytes: int, index: int = 0
 ) -> LayerGradients:
-    """Layer `index`'s gradients (`spec`: its ModelSpec.layer view)."""
+    """Layer `index`'s gradients (`spec`: its ModelSpec.layer view; `param_bytes` per element
+    of a weight's gradient)."""
     if setup.lora_rank:
         adapters = [
             (target, n * FP32)
@@ -1169,19 +1195,26 @@ def layer_gradients(
             for n in (fan_out * setup.lora_rank, setup.lora_rank * fan_in)
         ]
         mlp = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] >= 2]
-        attention = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] < 2]
-        return LayerGradients(mlp=mlp, attention=attention, norms=[])
+        o_proj = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] == 1]
+        qkv = [n for t, n in reversed(adapters) if LORA_TARGET_STAGE[t] == 0]
+        return LayerGradients(mlp=mlp, attention=o_proj + qkv, norms=[], attention_o=len(o_proj))
     tensors = param_tensors(spec)
     router_fp32 = router_weights_fp32(spec, setup)
     first = len(tensors.attention)
     mlp = [
-        n * tensors.width_at(index, first + position, sizes.param_bytes, router_fp32)
+        n * tensors.width_at(index, first + position, param_bytes, router_fp32)
         for position, n in enumerate(tensors.mlp_at(index))
     ]
+    # registration order: ..., o_proj (and its bias), then q_norm and k_norm (but Gemma 4's)
+    attention = [n * param_bytes for n in reversed(tensors.attention)]
+    norms_after = 0 if spec.v_norm else len(qk_norm_widths(spec))
+    o_proj = 2 if spec.attention_out_bias else 1
+    o_first = attention[norms_after : norms_after + o_proj]
     return LayerGradients(
         mlp=mlp[::-1],
-        attention=[n * sizes.param_bytes for n in reversed(tensors.attention)],
-        norms=[n * sizes.param_bytes for n in reversed(tensors.norms)],
+        attention=o_first + attention[:norms_after] + attention[norms_after + o_proj :],
+        norms=[n * param_bytes for n in reversed(tensors.norms)],
+        attention_o=o_proj,
     )
 
 
@@ -1281,7 +1314,8 @@ def walk_step(
         if ckpt:
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
-            kept_before = builder.alloc_all("activations", before)
+            by_name = bool(sizes.attention_bwd_steps[index])
+            kept_before = alloc_saved(builder, before, by_name)
             layer_kept.append((kept_before, alloc_saved_after(builder, saved, index, after)))
             if sizes.layer_fwd_peak_delta is not None:
                 builder.mark("forward", f"layer {index}", [sizes.layer_fwd_peak_delta])
@@ -1400,7 +1434,7 @@ def walk_step(
     if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
         run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
     for index in reversed(range(len(saved.layer_entries))):
-        gradients = layer_gradients(spec.layer(index), setup, sizes, index)
+        gradients = sizes.gradients[index]
         label = f"layer {index} backward"
         checkpoint_input: list[int] = []
         builder.at("backward", label)
@@ -1412,8 +1446,9 @@ def walk_step(
             builder.free_all(kv_kept.pop(index, []))
             recomputed_kv = builder.alloc_all("activations", sizes.kept_kv[index].unsaved)
             recomputed_before, recomputed_after = saved.recomputed_entries[index]
+            by_name = bool(sizes.attention_bwd_steps[index])
             layer_kept[index] = (
-                builder.alloc_all("transient", recomputed_before),
+                alloc_saved(builder, recomputed_before, by_name, "transient"),
                 alloc_saved_after(builder, saved, index, recomputed_after, "transient"),
             )
             if sizes.recomputed_peak_delta is not None:
@@ -1429,6 +1464,12 @@ def walk_step(
             if part == "mlp" and saved.moe_backward and saved.moe_backward[index]:
                 names = saved.after_names[index]
                 program = saved.moe_backward[index]
+                grads = play_moe_backward(builder, program, names, kept, label, accumulating)
+                keep_gradients(f"layer {index}", part, *grads)
+                continue
+            if part == "attention" and sizes.attention_bwd_steps[index]:
+                names = (saved.recomputed_before_names if ckpt else saved.before_names)[index]
+                program = sizes.attention_bwd_steps[index]
                 grads = play_moe_backward(builder, program, names, kept, label, accumulating)
                 keep_gradients(f"layer {index}", part, *grads)
                 continue
@@ -1499,7 +1540,15 @@ def alloc_saved_after(
 ) -> list[int]:
     """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
     them one by one (ForwardSaved.moe_backward), else as alloc_all makes them."""
-    if not (saved.moe_backward and saved.moe_backward[index]):
+    return alloc_saved(builder, sizes, bool(saved.moe_backward and saved.moe_backward[index]))
+
+
+def alloc_saved(
+    builder: StepBuilder, sizes: list[int], by_name: bool, category: str = "activations"
+) -> list[int]:
+    """Saved allocations: one each where a backward program frees them by name (`by_name`),
+    else as alloc_all makes them."""
+    if not by_name:
         return builder.alloc_all(category, sizes)
     return [t for t in (builder.alloc(category, n) for n in sizes) if t is not None]
 
@@ -1519,6 +1568,9 @@ def play_moe_backward(
     is added into the one kept as soon as it is made, and holds nothing at the high points."""
     temporaries: dict[str, int | None] = {}
     saved = dict(enumerate(zip(names, kept, strict=True)))
+    by_name: dict[str, list[int]] = {}
+    for key, name in enumerate(names):
+        by_name.setdefault(name, []).append(key)
     grads: list[int] = []
     for step in steps:
         action = step[0]
@@ -1527,9 +1579,11 @@ def play_moe_backward(
         elif action == "free":
             builder.free(temporaries.pop(step[1], None))
         elif action in ("free_saved", "free_saved_one"):
-            keys = [k for k, (name, _) in saved.items() if name == step[1]]
-            for key in keys[:1] if action == "free_saved_one" else keys:
+            keys = by_name.get(step[1], [])
+            chosen = keys[:1] if action == "free_saved_one" else list(keys)
+            for key in chosen:
                 builder.free(saved.pop(key)[1])
+            del keys[: len(chosen)]
         elif action == "grad":
             grads.append(step[1])
             made = 0 if accumulating else step[1]

@@ -470,6 +470,7 @@ FAMILIES: dict[str, Family] = {
                 sandwich_norm=True,
                 windowed_layers="pattern",
                 sliding_window_pattern=6,
+                rope_per_layer_type=True,  # rotary_emb(x, position_ids, layer_type)
             ),
             patch=PatchSpec(
                 model_type="gemma3_text",
