@@ -32,6 +32,7 @@ from memplan.schema import (
     SETUP_OPTIONS,
     ModelSpec,
     Plan,
+    TrainSetup,
 )
 from memplan.versions import warn_if_unvalidated
 
@@ -243,6 +244,18 @@ def apply(
         raise
     setattr(hf_model, _STATE_ATTR, _State(applied, installed, request, handoffs))
     return applied
+
+
+def apply_setup_kernels(model: nn.Module, setup: TrainSetup) -> AppliedPatch:
+    """A setup's kernels exactly as it names them (no plan), with its FLCE chunk or budget: how
+    a measured run (verify's worker) and the traced step patch a model."""
+    return apply(
+        model,
+        plan=None,
+        kernels=list(setup.kernels),
+        flce_chunk=setup.flce_chunk,
+        flce_memory_budget=setup.flce_memory_budget,
+    )
 
 
 def revert(model: nn.Module) -> bool:

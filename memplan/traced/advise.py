@@ -8,14 +8,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from memplan.errors import UsageError
-from memplan.estimators.allocator import AllocatorSettings, replay
 from memplan.schema import (
     Advice,
     Gpu,
     KernelOption,
     MemoryEstimate,
     Plan,
-    ReservedPrediction,
     Suggestion,
     TrainSetup,
     make_setup,
@@ -24,6 +22,7 @@ from memplan.traced import trace_config
 from memplan.traced.batch import largest_traced_batch
 from memplan.traced.estimate import TracedEstimate
 from memplan.traced.model import default_lora_targets
+from memplan.traced.verdict import replayed
 
 
 def traced_advice(
@@ -110,22 +109,7 @@ def traced_advice(
 def judged(traced: TracedEstimate, setup: TrainSetup, gpu: Gpu) -> MemoryEstimate:
     """The traced estimate with its verdict: its event stream replayed through the allocator
     model with the GPU's capacity."""
-    settings = AllocatorSettings(
-        capacity=gpu.capacity,
-        expandable_segments=setup.expandable_segments,
-        device_memory=gpu.memory_bytes,
-    )
-    events = traced.events.events
-    result = replay(events, settings)
-    oom = None if result.oom_index is None else events[result.oom_index]
-    reserved = ReservedPrediction(
-        capacity_bytes=gpu.capacity,
-        expandable_segments=setup.expandable_segments,
-        runs=oom is None,
-        reserved_bytes=result.peak_reserved,
-        oom_phase=oom.phase if oom else None,
-        oom_label=oom.label if oom else None,
-    )
+    reserved = replayed(traced.events.events, setup, gpu)
     return traced.estimate.model_copy(update={"reserved": reserved})
 
 

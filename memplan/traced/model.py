@@ -141,15 +141,9 @@ def _with_lora(model: Any, setup: TrainSetup) -> Any:
 def _with_kernels(model: Any, setup: TrainSetup) -> None:
     """memplan's kernels patched in as the worker patches them; their launchers then run on the
     meta tensors (traced/tracker.py)."""
-    from memplan.patching import apply
+    from memplan.patching.engine import apply_setup_kernels
 
-    applied = apply(
-        model,
-        plan=None,
-        kernels=list(setup.kernels),
-        flce_chunk=setup.flce_chunk,
-        flce_memory_budget=setup.flce_memory_budget,
-    )
+    applied = apply_setup_kernels(model, setup)
     missing = set(setup.kernels) - set(applied.kernels)
     if missing:
         raise MemplanError(f"kernels {', '.join(sorted(missing))} do not apply to this model")

@@ -166,15 +166,9 @@ def _build_model(case: VerifyCase, rec: dict[str, Any]) -> tuple[Any, int]:
             model = get_peft_model(model, lora)
             rec["env"]["peft"] = _version("peft")
         if setup.kernels:
-            from memplan.patching import apply
+            from memplan.patching.engine import apply_setup_kernels
 
-            applied = apply(
-                model,
-                plan=None,
-                kernels=list(setup.kernels),
-                flce_chunk=setup.flce_chunk,
-                flce_memory_budget=setup.flce_memory_budget,
-            )
+            applied = apply_setup_kernels(model, setup)
             rec["applied"] = _applied_summary(applied)
             kernels = tuple(rec["applied"]["kernels"])
             if kernels != setup.kernels:  # the measurement describes what really ran
