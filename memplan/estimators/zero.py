@@ -77,6 +77,7 @@ class Zero(OneGpu):
         self._grads: list[int] = []
         self._ipg: list[int] = []
         self._gathered: dict[tuple[str, int], int] = {}  # (group, parameter index) -> tensor
+        self._windows: dict[str | None, list[tuple[tuple[str, int], int]]] = {}
         self.persistence = PERSISTENCE_PER_HIDDEN * spec.hidden_size
 
     def _trainable(self, name: str) -> int:
@@ -166,7 +167,14 @@ class Zero(OneGpu):
 
     def _window(self, group: str | None) -> list[tuple[tuple[str, int], int]]:
         """The parameters next used from `group`'s backward on, distinct, until the prefetcher's
-        count reaches MAX_LIVE_PARAMETERS (the one that crosses it included)."""
+        count reaches MAX_LIVE_PARAMETERS (the one that crosses it included); computed once a
+        group (every layer asks: a deep small model would walk all the others each time)."""
+        cached = self._windows.get(group)
+        if cached is None:
+            cached = self._windows[group] = self._walk_window(group)
+        return cached
+
+    def _walk_window(self, group: str | None) -> list[tuple[tuple[str, int], int]]:
         window: list[tuple[tuple[str, int], int]] = []
         seen: set[tuple[str, int]] = set()
         count = 0
