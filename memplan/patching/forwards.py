@@ -246,7 +246,7 @@ def decoder_layer_forward(
             or (self.training and getattr(self, "gradient_checkpointing", False))
             or torch.compiler.is_compiling()
             or next_norm.weight.device != residual.device
-            or isinstance(next_norm.weight, DTensor)  # another FSDP2 group's, still sharded
+            or gathered_elsewhere(next_norm.weight)
         ):
             return residual + mlp_out
         hidden_states, next_views = added_normed(next_norm, residual, mlp_out, wiring.next_inputs)
@@ -254,6 +254,13 @@ def decoder_layer_forward(
         return hidden_states
 
     return forward
+
+
+def gathered_elsewhere(weight: torch.Tensor) -> bool:
+    """Whether a sharding wrapper gathers `weight` for its own module's calls only: FSDP2's
+    DTensor, or a DeepSpeed ZeRO-3 parameter (its hooks pass each module's output on as a new
+    tensor, and free the weight after that module's backward, before this layer's runs)."""
+    return isinstance(weight, DTensor) or hasattr(weight, "ds_id")
 
 
 def layers_checkpoint_in_forward() -> bool:
