@@ -660,8 +660,9 @@ def gated_mlp_saved(ctx: LayerContext, out: Saved, name: str, inter: int) -> Non
         out.add(name + ".act", p * inter)
     # down_proj keeps its input for its weight's gradient: not when frozen (an adapter keeps its
     # own cast, counted with the adapters), nor when the GLU kernel runs a plain down_proj itself
-    # and recomputes the product in backward (memplan.kernels._glu.recompute_product).
-    recomputed = glu in ctx.kernels and not ctx.under_autocast
+    # and recomputes the product in backward (memplan.kernels._glu.recompute_product: not under
+    # autocast, nor under ZeRO-3, whose hooks on every module make down_proj run as its own call).
+    recomputed = glu in ctx.kernels and not ctx.under_autocast and ctx.setup.strategy != "zero3"
     if ctx.trainable_base and not recomputed:
         out.add(name + ".down_in", p * inter)
 

@@ -235,9 +235,11 @@ def test_the_child_measures_zero3_with_accumulation_over_two_real_ranks() -> Non
 
 
 def _patched_rank(rank: int, world: int, port: int, patched: bool, results) -> None:
-    """Three ZeRO-3 steps of the tiny llama, with memplan's kernels or without; the losses and
-    how many residual adds a layer fused into the next layer's norm."""
+    """Three ZeRO-3 steps of the tiny llama, with memplan's kernels or without; the losses, how
+    many residual adds a layer fused into the next layer's norm, and whether the GLU kernel may
+    run down_proj itself (the estimator counts the product as down_proj's saved input)."""
     import memplan
+    from memplan.kernels._glu import recompute_product
     from memplan.patching import forwards
 
     become_rank(rank, world, port, DS_ACCELERATOR="cpu")
@@ -262,18 +264,21 @@ def _patched_rank(rank: int, world: int, port: int, patched: bool, results) -> N
         for _ in range(3):
             trainer.step()
             losses.append(float(trainer.loss))
-        results.put((rank, losses, len(fused)))
+        down = trainer.engine.module.model.layers[0].mlp.down_proj
+        gate = torch.empty(1, dtype=down.weight.dtype)
+        results.put((rank, losses, len(fused), recompute_product(down, gate)))
     finally:
         distributed.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_patched_model_trains_under_zero3_like_the_unpatched_one() -> None:
-    # ZeRO-3 gathers a layer's weights for that layer's calls only: no layer may fuse its last
-    # residual add into the next layer's norm, whose weight is gathered for the next layer
+    # ZeRO-3 gathers a module's weights for that module's calls only: no layer may fuse its last
+    # residual add into the next layer's norm, nor the GLU kernel run down_proj's matmul itself
     pytest.importorskip("deepspeed")
     reference = run_ranks(_patched_rank, 2, False)
     patched = run_ranks(_patched_rank, 2, True)
-    for (_, want, _), (_, got, fused) in zip(reference, patched, strict=True):
+    for (_, want, *_), (_, got, fused, recomputed) in zip(reference, patched, strict=True):
         assert fused == 0
+        assert not recomputed  # DeepSpeed's hooks on down_proj: its own call keeps the product
         assert got == pytest.approx(want, rel=2e-2)
