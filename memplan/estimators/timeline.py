@@ -44,6 +44,7 @@ from memplan.estimators.contracts import (
     sink_kernel,
     walked_tensor_by_tensor,
 )
+from memplan.estimators.deltanet import deltanet_cache_bytes
 from memplan.estimators.events import EventLog
 from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
 from memplan.estimators.param_tensors import model_param_tensors, param_tensors
@@ -117,6 +118,7 @@ def layer_contexts(
     # first layer's input: modelled where the walk follows a checkpointed layer tensor by
     # tensor (Llama 4's MoE layers, moe_forward_peaks)
     leaf_input = setup.grad_checkpointing and walked_tensor_by_tensor(spec)
+    hf_loss = not {"flce", "cross_entropy"} & set(setup.kernels)
     return [
         LayerContext(
             spec=spec.layer(index),
@@ -131,6 +133,7 @@ def layer_contexts(
             rope=index not in spec.nope_layers,
             moe=spec.moe_layer(index),
             chunked=spec.attention_chunk_size is not None and index not in spec.nope_layers,
+            cached=hf_loss and not setup.grad_checkpointing and spec.use_cache,
         )
         for index in range(spec.num_hidden_layers)
     ]
@@ -384,7 +387,8 @@ def rope_table_bytes(
     rope_dtype = FP32 if dtypes.autocast or spec.rope_in_fp32 else dtypes.residual
     # gpt-oss's tables hold one angle per rotated pair, applied to both halves
     halved = 2 if spec.rope_half_tables else 1
-    return 2 * blocks(setup.seq * width // halved * rope_dtype)
+    rows = setup.batch if spec.rope_per_batch_row else 1  # Qwen3.5's per-row position grids
+    return 2 * blocks(rows * setup.seq * width // halved * rope_dtype)
 
 
 def layer_kind(ctx: LayerContext) -> tuple[bool | int, ...]:
@@ -392,6 +396,7 @@ def layer_kind(ctx: LayerContext) -> tuple[bool | int, ...]:
     gradient (the first layer under LoRA), RoPE applied or not, a MoE or a dense MLP, chunked
     attention, the layer's attention geometry (Gemma 4's global layers)."""
     geometry = ctx.spec.head_dim, ctx.spec.num_key_value_heads, ctx.spec.values_from_keys
+    geometry += (ctx.spec.deltanet,)
     return ctx.sliding, ctx.needs_input_grad, ctx.rope, ctx.moe, ctx.chunked, *geometry
 
 
@@ -857,6 +862,9 @@ def kv_cache_added(
     for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
         if spec.mla:
             added.append(latent_kv_cache_added(ctx))
+            continue
+        if ctx.spec.deltanet:
+            added.append([round_block(n) for n in deltanet_cache_bytes(ctx)])
             continue
         tensors = kv_cache_tensors(ctx.spec, setup, dtypes, ctx.keys_in_residual_dtype)
         shared = kv_cache_shares_saved(
