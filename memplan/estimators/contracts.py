@@ -107,6 +107,8 @@ def walked_tensor_by_tensor(spec: ModelSpec) -> bool:
 # around it, the MLP's adapters and autocast's copies of its weights): its backward frees them.
 AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "moe.", "norm.post_mlp")
 AFTER_ATTENTION += tuple(f"lora.{w}{m}" for w in ("", "weights.") for m in ("gate", "up", "down"))
+# Qwen3.5's output gate (output_gate_saved) runs after attention's core, and its backward before
+AFTER_ATTENTION += ("attn.gate",)
 # The entry of layer_saved for what q, k and v keep of the layer's input in a post-norm layer.
 LAYER_INPUT = "attn.in"
 # What matmul(probs, v) keeps where attention materializes scores: the probabilities' cast (or
@@ -350,7 +352,9 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
     copied = (spec.fused_qkv and hf_attention and not efficient_output) or (
         ctx.queries_heads_major and attention_output_follows_query(ctx, path)
     )
-    if copied and (o_input_kept(ctx) or spec.attention_output_gate):
+    if copied and spec.attention_output_gate:
+        out.add("attn.gate.in", p * nh * hd)  # kept by the product with the gate
+    elif copied and o_input_kept(ctx):
         out.add("attn.o_proj_in", p * nh * hd)
     output_gate_saved(ctx, out)
 
@@ -366,7 +370,7 @@ def output_gate_saved(ctx: LayerContext, out: Saved) -> None:
     width = ctx.dtypes.proj * spec.num_attention_heads * spec.head_dim
     out.add("attn.gate", width)
     if o_input_kept(ctx):
-        out.add("attn.gated", width)
+        out.add("attn.gate.product", width)
 
 
 @dataclass(frozen=True)

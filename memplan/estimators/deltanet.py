@@ -105,3 +105,29 @@ def deltanet_cache_bytes(ctx: LayerContext) -> list[int]:
     conv = ctx.dtypes.proj * batch * conv_channels(ctx) * spec.linear_conv_kernel_dim
     state = FP32 * batch * spec.linear_num_value_heads
     return [conv, state * spec.linear_key_head_dim * spec.linear_value_head_dim]
+
+
+def deltanet_forward_peak(ctx: LayerContext, layer_saved_bytes: int, tokens: int) -> list[int]:
+    """What one gated DeltaNet layer's forward holds at its high point beyond the layer's
+    start, as the traced step shows it (not read off autograd: an estimate). Recording the
+    graph, the high point comes after the chunked rule, with everything the layer saves
+    (`layer_saved_bytes`, the MLP's included) and the residual pair alive; in a checkpointed
+    layer's graph-free forward, the padded fp32 q, k, v and beta, two 64 x 64 fp32 tensors per
+    chunk and the residual pair."""
+    spec, d = ctx.spec, ctx.dtypes
+    pair = [tokens * d.residual * spec.hidden_size] * 2
+    if not ctx.setup.grad_checkpointing:
+        return [layer_saved_bytes, *pair]
+    nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+    padded = CHUNK * ctx.setup.batch * chunks(ctx.seq)
+    rule = FP32 * nv * padded * (2 * dk + dv + 1 + 2 * CHUNK)
+    return [rule, *pair]
+
+
+def deltanet_backward_transient(ctx: LayerContext, tokens: int) -> list[int]:
+    """An estimate of what one gated DeltaNet layer's backward holds beside its saved tensors
+    and its weights' gradients: the gradients of the conv's output and of z, in the
+    projections' dtype (the traced step's DeltaNet backward stays below the MLP's backward
+    before it)."""
+    p = ctx.dtypes.proj
+    return [tokens * p * conv_channels(ctx), tokens * p * value_width(ctx)]

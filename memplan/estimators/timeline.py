@@ -44,7 +44,11 @@ from memplan.estimators.contracts import (
     sink_kernel,
     walked_tensor_by_tensor,
 )
-from memplan.estimators.deltanet import deltanet_cache_bytes
+from memplan.estimators.deltanet import (
+    deltanet_backward_transient,
+    deltanet_cache_bytes,
+    deltanet_forward_peak,
+)
 from memplan.estimators.events import EventLog
 from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
 from memplan.estimators.param_tensors import model_param_tensors, param_tensors
@@ -119,6 +123,11 @@ def layer_contexts(
     # tensor (Llama 4's MoE layers, moe_forward_peaks)
     leaf_input = setup.grad_checkpointing and walked_tensor_by_tensor(spec)
     hf_loss = not {"flce", "cross_entropy"} & set(setup.kernels)
+    # Under LoRA a layer's input needs a gradient once a layer before it has an adapter: not in
+    # the gated DeltaNet layers before the first full attention, where only attention is
+    # adapted. peft's leaf (checkpointed LoRA) makes every layer's input need one.
+    adapted = [bool(layer_lora_targets(layer, setup)) for layer in spec.layers()] if lora else []
+    leaf_input = leaf_input or (setup.grad_checkpointing and bool(spec.linear_attention_layers))
     return [
         LayerContext(
             spec=spec.layer(index),
@@ -127,7 +136,7 @@ def layer_contexts(
             backend=backend,
             kernels=frozenset(setup.kernels),
             trainable_base=not lora,
-            needs_input_grad=not (lora and index == 0) or leaf_input,
+            needs_input_grad=not lora or any(adapted[:index]) or leaf_input,
             sliding=index < len(layer_types) and layer_types[index] == "sliding_attention",
             under_autocast=dtypes.autocast if under_autocast is None else under_autocast,
             rope=index not in spec.nope_layers,
@@ -718,9 +727,11 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         # Raw q, k, v before RoPE and its rotate_half temporaries (latent attention: q, k and
         # kv_b_proj's output), plus the residual pair.
         layer_fwd_transient=[
-            [tokens * p * layer.num_attention_heads * width for width in qkv_widths(layer)]
+            deltanet_forward_peak(ctx, layer_saved(ctx).bytes(tokens), tokens)
+            if ctx.spec.deltanet
+            else [tokens * p * ctx.spec.num_attention_heads * w for w in qkv_widths(ctx.spec)]
             + [tokens * dtypes.residual * h] * 2
-            for layer in layers
+            for ctx in contexts
         ],
         # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
         # saved by its matmul, counted with the loss).
@@ -750,9 +761,14 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             if sink_kernel(ctx)
             else sink_attention_backward_held(spec, setup, dtypes, backend)
             if setup.attn == "eager" and spec.attention_sinks
-            else []
-            if attention_path(ctx) == "scores"
-            else attention_backward_transient(ctx.spec, tokens, p)
+            else deltanet_backward_transient(ctx, tokens)
+            if ctx.spec.deltanet
+            else (
+                []
+                if attention_path(ctx) == "scores"
+                else attention_backward_transient(ctx.spec, tokens, p)
+            )
+            + ([tokens * p * h] if ctx.spec.attention_output_gate else [])
             for ctx in contexts
         ],
         attention_bwd_steps=[
@@ -784,7 +800,7 @@ def scores_backward_steps(
     """A layer's attention backward as contracts.scores_attention_backward's program where it
     materializes scores (gpt-oss's sinks: sink_attention_backward_held); empty elsewhere.
     Where nothing before o_proj needs a gradient, o_proj's backward alone."""
-    if attention_path(ctx) != "scores" or ctx.spec.attention_sinks:
+    if attention_path(ctx) != "scores" or ctx.spec.attention_sinks or ctx.spec.deltanet:
         return []
     o_grads = gradients.attention[: gradients.attention_o]
     rest = gradients.attention[gradients.attention_o :]
@@ -1083,6 +1099,11 @@ def values_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, ctx: Lay
     """Bytes per element of v as attention takes it: the KV cache's values where transformers
     builds one in training (walk_step: no loss kernel, no checkpointing), else v_proj's."""
     hf_loss = not {"flce", "cross_entropy"} & set(setup.kernels)
+    # Under LoRA a layer's input needs a gradient once a layer before it has an adapter: not in
+    # the gated DeltaNet layers before the first full attention, where only attention is
+    # adapted. peft's leaf (checkpointed LoRA) makes every layer's input need one.
+    adapted = [bool(layer_lora_targets(layer, setup)) for layer in spec.layers()] if lora else []
+    leaf_input = leaf_input or (setup.grad_checkpointing and bool(spec.linear_attention_layers))
     if hf_loss and not setup.grad_checkpointing and spec.use_cache:
         return kv_cache_dtypes(setup, dtypes, ctx.keys_in_residual_dtype)[1]
     return dtypes.proj
@@ -1309,6 +1330,8 @@ def walk_step(
         if saved.moe_peaks and saved.moe_peaks[index]:
             # Llama 4's MoE block holds more than the attention; a checkpointed layer's saved
             # tensors die as its forward lets go of them (moe_forward_peaks)
+            recomputed_later = []
+        if index in spec.linear_attention_layers:  # deltanet_forward_peak holds what it needs
             recomputed_later = []
         attention_copies, moe_copies = saved.autocast_cache_by_layer or ([], [])
         cached_copies += [builder.alloc("autocast_cache", n) for n in attention_copies]
