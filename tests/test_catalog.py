@@ -975,10 +975,13 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     assert len(model.model.layers) == spec.num_hidden_layers
     assert hf_config.max_position_embeddings == spec.max_position_embeddings
 
-    layer = model.model.layers[0]
+    # the first full-attention layer (Qwen3.5's gated DeltaNet layers have none)
+    first = next(i for i in range(spec.num_hidden_layers) if i not in spec.linear_attention_layers)
+    layer = model.model.layers[first]
     attn = layer.self_attn
+    gate = 2 if spec.attention_output_gate else 1  # q_proj's gate half
     q_width, kv_width = (
-        spec.num_attention_heads * spec.head_dim,
+        spec.num_attention_heads * spec.head_dim * gate,
         spec.num_key_value_heads * spec.head_dim,
     )
     assert hasattr(attn, "qkv_proj") == spec.fused_qkv
@@ -1004,8 +1007,22 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     assert hasattr(layer, "layer_scalar") == spec.layer_scalar
     if not (spec.fused_qkv or spec.mla):  # each layer's geometry (Gemma 4's global layers)
         for index, built in enumerate(model.model.layers):
-            view, built_attn = spec.layer(index), built.self_attn
-            assert built_attn.q_proj.out_features == spec.num_attention_heads * view.head_dim
+            view = spec.layer(index)
+            assert hasattr(built, "linear_attn") == view.deltanet
+            if view.deltanet:
+                delta = built.linear_attn
+                assert (delta.num_k_heads, delta.num_v_heads) == (
+                    spec.linear_num_key_heads,
+                    spec.linear_num_value_heads,
+                )
+                assert (delta.head_k_dim, delta.head_v_dim, delta.conv_kernel_size) == (
+                    spec.linear_key_head_dim,
+                    spec.linear_value_head_dim,
+                    spec.linear_conv_kernel_dim,
+                )
+                continue
+            built_attn = built.self_attn
+            assert built_attn.q_proj.out_features == spec.num_attention_heads * view.head_dim * gate
             assert built_attn.k_proj.out_features == view.num_key_value_heads * view.head_dim
             assert (getattr(built_attn, "v_proj", None) is None) == view.values_from_keys
             assert hasattr(built_attn, "v_norm") == spec.v_norm

@@ -708,7 +708,6 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         chunk = setup.flce_chunk or kc.flce_default_chunk(tokens, h, spec.vocab_size)
     # Under autocast FLCE casts the fp32 hidden states and lm_head weight to bf16 copies.
     autocast_copies = [tokens * h * p, spec.vocab_size * h * p] if dtypes.autocast else []
-    layers = spec.layers()
     contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
     return StepSizes(
         counts=counts,
@@ -1099,11 +1098,6 @@ def values_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan, ctx: Lay
     """Bytes per element of v as attention takes it: the KV cache's values where transformers
     builds one in training (walk_step: no loss kernel, no checkpointing), else v_proj's."""
     hf_loss = not {"flce", "cross_entropy"} & set(setup.kernels)
-    # Under LoRA a layer's input needs a gradient once a layer before it has an adapter: not in
-    # the gated DeltaNet layers before the first full attention, where only attention is
-    # adapted. peft's leaf (checkpointed LoRA) makes every layer's input need one.
-    adapted = [bool(layer_lora_targets(layer, setup)) for layer in spec.layers()] if lora else []
-    leaf_input = leaf_input or (setup.grad_checkpointing and bool(spec.linear_attention_layers))
     if hf_loss and not setup.grad_checkpointing and spec.use_cache:
         return kv_cache_dtypes(setup, dtypes, ctx.keys_in_residual_dtype)[1]
     return dtypes.proj

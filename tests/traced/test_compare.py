@@ -71,6 +71,8 @@ VARIANTS = {
     "gpt_oss": {"precision": "amp-bf16"},
     # every expert's bmm copies its weights under autocast; the sum of their outputs in fp32
     "llama4_text": {"precision": "amp-bf16"},
+    # the gated DeltaNet layer before the first adapter (attention only) saves nothing
+    "qwen3_5_text": {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
@@ -157,6 +159,17 @@ EXTRA_VARIANTS = [
         {},
         {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
     ),
+    # qwen3_5_text: eager attention beside the DeltaNet; under autocast (the DeltaNet's chunk
+    # matmuls on bf16 casts, not modelled tensor by tensor); peft's leaf under checkpointed LoRA
+    # (the first DeltaNet layer's input needs a gradient); adapters in every layer's MLP
+    ("qwen3_5_text", {}, {"attn": "eager"}),
+    ("qwen3_5_text", {}, {"precision": "amp-bf16"}),
+    (
+        "qwen3_5_text",
+        {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+    ("qwen3_5_text", {}, {"lora_rank": 16, "lora_targets": ("gate_proj", "up_proj", "down_proj")}),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 512, "use_cache": True}, {}),
     (
         "smollm3",
