@@ -1253,3 +1253,52 @@ def test_deepseek_v3_latent_attention_reads_as_transformers_builds_it():
 def test_deepseek_v3_configs_memplan_does_not_model_are_one_error(overrides, message):
     with pytest.raises(MemplanError, match=message):
         spec_from_config({"model_type": "deepseek_v3", **overrides})
+
+
+def qwen3_5_text_config(**overrides) -> dict:
+    """Qwen3.5-0.8B's text_config as the catalog holds it, with `overrides`."""
+    return {**RAW["qwen3.5-0.8b"]["config"]["text_config"], **overrides}
+
+
+def test_qwen3_5_reads_its_deltanet_and_full_attention_layers():
+    spec = ENTRIES["qwen3.5-0.8b"].spec
+    assert spec.model_type == "qwen3_5_text" and spec.wrapper_model_type == "qwen3_5"
+    full = tuple(range(3, 24, 4))  # every fourth layer
+    assert spec.linear_attention_layers == tuple(i for i in range(24) if i not in full)
+    geometry = (
+        spec.linear_num_key_heads,
+        spec.linear_num_value_heads,
+        spec.linear_key_head_dim,
+        spec.linear_value_head_dim,
+        spec.linear_conv_kernel_dim,
+    )
+    assert geometry == (16, 16, 128, 128, 4)
+    assert spec.attention_output_gate and spec.rope_per_batch_row and spec.qk_norm
+    assert spec.rotary_dim == 64 and spec.sliding_window is None  # a quarter of head_dim 256
+    # without layer_types, full_attention_interval places the full layers as the config class
+    derived = {k: v for k, v in qwen3_5_text_config().items() if k != "layer_types"}
+    assert spec_from_config(derived).linear_attention_layers == spec.linear_attention_layers
+    every_other = spec_from_config(qwen3_5_text_config(layer_types=None, full_attention_interval=2))
+    assert every_other.linear_attention_layers == tuple(range(0, 24, 2))
+    assert spec.layer(0).deltanet and not spec.layer(3).deltanet
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"layer_types": ["linear_attention"] * 23}, "a list of 24 entries"),
+        ({"layer_types": ["sliding_attention"] * 24}, '"linear_attention" or "full_attention"'),
+        ({"linear_num_value_heads": 24}, "not a multiple of linear_num_key_heads"),
+        ({"linear_key_head_dim": 0}, "'linear_key_head_dim'"),
+    ],
+)
+def test_qwen3_5_configs_memplan_cannot_read_are_refused(overrides, message):
+    with pytest.raises(MemplanError) as error:
+        spec_from_config(qwen3_5_text_config(**overrides))
+    assert message in _one_line(error)
+
+
+def test_qwen3_5_with_a_data_parallel_strategy_is_refused():
+    spec = ENTRIES["qwen3.5-0.8b"].spec
+    with pytest.raises(UsageError, match="one GPU"):
+        estimate(spec, TrainSetup(batch=1, seq=256, gpus=2, strategy="fsdp2"))
