@@ -12,14 +12,12 @@ from memplan.estimators.contracts import DtypePlan, layer_saved
 from memplan.estimators.timeline import layer_contexts
 from memplan.schema import TrainSetup
 
-HIDDEN = 256
-
 
 def deltanet_config(heads: tuple[int, int, int, int]) -> dict:
     nk, nv, dk, dv = heads
     return {
         "model_type": "qwen3_5_text",
-        "hidden_size": HIDDEN,
+        "hidden_size": 256,
         "intermediate_size": 512,
         "num_hidden_layers": 1,
         "num_attention_heads": 4,
@@ -65,7 +63,9 @@ def test_saved_bytes_match_autograd(saved_storage_bytes, precision, batch, seq, 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     hf = AutoConfig.for_model(**config)
     model = AutoModelForCausalLM.from_config(hf, dtype=dtype).train()
-    x = torch.randn(batch, seq, HIDDEN, dtype=dtype, requires_grad=True)
+    # the layer's input out of the embedding: no leaf of the test's own (the fixture's graph,
+    # whose outputs its nodes save, outlives the test)
+    x = model.model.embed_tokens(torch.randint(0, hf.vocab_size, (batch, seq)))
     measured = saved_storage_bytes(lambda: model.model.layers[0].linear_attn(x), model)
     # the input projections keep the layer's input itself (the input norm's output, counted
     # with the norm)
