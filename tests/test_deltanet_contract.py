@@ -33,10 +33,14 @@ def deltanet_config(heads: tuple[int, int, int, int]) -> dict:
     }
 
 
-def predicted(config: dict, precision: str, batch: int, seq: int) -> int:
+def predicted(config: dict, precision: str, batch: int, seq: int, frozen: bool = False) -> int:
     spec = spec_from_config(config)
-    setup = TrainSetup(batch=batch, seq=seq, precision=precision)
+    # frozen: LoRA on attention only, checkpointed (peft's leaf gives the layer's input a
+    # gradient while none of its weights trains)
+    lora = {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj"), "grad_checkpointing": True}
+    setup = TrainSetup(batch=batch, seq=seq, precision=precision, **(lora if frozen else {}))
     (ctx,) = layer_contexts(spec, setup, DtypePlan.of(precision), "cpu")
+    assert ctx.needs_input_grad and ctx.trainable_base != frozen
     return layer_saved(ctx).bytes_of(batch * seq, ("delta.",))
 
 
@@ -70,3 +74,31 @@ def test_saved_bytes_match_autograd(saved_storage_bytes, precision, batch, seq, 
     # the input projections keep the layer's input itself (the input norm's output, counted
     # with the norm)
     assert predicted(config, precision, batch, seq) == measured - x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize(
+    "precision, batch, seq, heads",
+    [
+        ("bf16", 2, 130, (2, 4, 32, 64)),
+        ("bf16", 1, 64, (2, 2, 32, 32)),
+        ("fp32", 2, 64, (2, 4, 32, 64)),
+        ("fp32", 3, 100, (2, 2, 32, 32)),
+    ],
+)
+def test_saved_bytes_match_autograd_with_frozen_weights(
+    saved_storage_bytes, precision, batch, seq, heads
+):
+    """The layer's weights frozen and its input needing a gradient: the conv still saves its
+    input (conv channels differ from the hidden size here, so the two are told apart), and
+    nothing keeps the layer's input itself."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = deltanet_config(heads)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    hf = AutoConfig.for_model(**config)
+    model = AutoModelForCausalLM.from_config(hf, dtype=dtype).train()
+    model.model.layers[0].requires_grad_(False)
+    x = model.model.embed_tokens(torch.randint(0, hf.vocab_size, (batch, seq)))
+    measured = saved_storage_bytes(lambda: model.model.layers[0].linear_attn(x), model)
+    assert predicted(config, precision, batch, seq, frozen=True) == measured

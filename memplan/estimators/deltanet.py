@@ -36,9 +36,11 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     keep: norm_saved's consumers). `cached`: the model's cache takes the final recurrent state
     (use_cache without checkpointing), so the last chunk's state update stays in the graph.
 
-    - the conv's input (in_proj_qkv's output, transposed) where its weight trains; SiLU's input,
-      the conv output with its K - 1 padded positions; sigmoid(b); the decay: softplus's fp32
-      input, and where A_log trains its output and exp(A_log), beside -exp(A_log);
+    - the conv's input (in_proj_qkv's output, transposed) and, under autocast, its weight's
+      bf16 cast, trained or frozen (convolution's backward saves both whichever needs a
+      gradient); SiLU's input, the conv output with its K - 1 padded positions; sigmoid(b);
+      the decay: softplus's fp32 input, and where A_log trains its output and exp(A_log),
+      beside -exp(A_log);
     - q and k repeated to the value heads in fp32 and their L2 norms' rsqrt (fp32 with as
       many key as value heads: q and k are views of the conv output, which they keep instead);
     - the chunked rule on padded fp32 tensors: beta and v padded; the normalized key, the scaled
@@ -61,9 +63,10 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     conv = conv_channels(ctx)
     trained = ctx.trainable_base
     fp32_views = p == FP32 and not d.autocast
-    # the conv: its input (a bf16 cast of an fp32 copy under autocast) and the padded output
-    out.add("delta.conv", p * conv * trained)
-    if d.autocast and trained:  # conv1d is an autocast op: the cast of its fp32 weight
+    # the conv: its input (a bf16 cast of an fp32 copy under autocast) and the padded output;
+    # convolution saves input and weight even where only the input needs a gradient
+    out.add("delta.conv", p * conv)
+    if d.autocast:  # conv1d is an autocast op: the cast of its fp32 weight
         out.add("delta.conv", constant=p * conv * spec.linear_conv_kernel_dim)
     out.add("delta.conv", constant=p * conv * batch * (seq + spec.linear_conv_kernel_dim - 1))
     out.add("delta.beta", p * nv)

@@ -161,12 +161,18 @@ EXTRA_VARIANTS = [
     ),
     # qwen3_5_text: eager attention beside the DeltaNet; fp32 (q and k views of the conv
     # output); under autocast (the DeltaNet's chunk matmuls on bf16 casts, not modelled tensor
-    # by tensor); checkpointed (the DeltaNet's graph-free forward); adapters in every layer's MLP
+    # by tensor); checkpointed (the DeltaNet's graph-free forward); adapters in every layer's
+    # MLP; checkpointed LoRA on q and v (peft's leaf: the frozen DeltaNet's conv keeps its input)
     ("qwen3_5_text", {}, {"attn": "eager"}),
     ("qwen3_5_text", {}, {"precision": "fp32"}),
     ("qwen3_5_text", {}, {"precision": "amp-bf16"}),
     ("qwen3_5_text", {}, {"grad_checkpointing": True}),
     ("qwen3_5_text", {}, {"lora_rank": 16, "lora_targets": ("gate_proj", "up_proj", "down_proj")}),
+    (
+        "qwen3_5_text",
+        {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 512, "use_cache": True}, {}),
     (
         "smollm3",
