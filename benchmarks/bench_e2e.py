@@ -41,6 +41,8 @@ CASES = [
     ("olmo-2-0425-1b", None, 8, 2048),
     ("gemma-4-31b", 4, 2, 2048),
     ("gpt-oss-20b", 2, 4, 2048),
+    # Liger patches qwen3_5_text (apply_liger_kernel_to_qwen3_5); both leave the DeltaNet as HF
+    ("qwen3.5-0.8b", None, 4, 2048),
 ]
 VARIANTS = ("hf", "liger", "memplan")
 # the goal for memplan against Liger, measured side by side in one run

@@ -56,6 +56,9 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
     # latent attention (16 heads of q/k 192 and v 128: cuDNN), one dense layer and five MoE
     # layers of 64 experts of 1408 beside two shared ones, the fp32 router
     ("moonlight-16b-a3b-instruct", 6, 4, CHECKPOINTING),
+    # every layer: 18 gated DeltaNet layers (transformers' torch fallback) and 6 gated full
+    # attention ones; under LoRA (q, v) the DeltaNet layers before the first adapter save nothing
+    ("qwen3.5-0.8b", None, 4, LORA),
 ]
 
 

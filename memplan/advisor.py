@@ -7,6 +7,7 @@ any safety margin), completes (fits). Imports neither torch nor transformers."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from importlib.util import find_spec
 from typing import Any
 
 from memplan import edge_verdict
@@ -336,6 +337,31 @@ def largest_seq(spec: ModelSpec, setup: TrainSetup, gpu: Gpu, ceiling: int) -> i
     )
 
 
+# The packages whose kernels transformers runs for a gated DeltaNet layer in place of its
+# torch fallback, by import name.
+DELTANET_FAST_PACKAGES = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+
+
+def deltanet_note(spec: ModelSpec) -> list[str]:
+    """Which gated DeltaNet the estimate assumes: transformers' torch fallback, and where the
+    packages whose kernels would run instead are importable here, that the estimate is not
+    theirs."""
+    if not spec.linear_attention_layers:
+        return []
+    note = (
+        f"{spec.model_type}'s {len(spec.linear_attention_layers)} gated DeltaNet layers are "
+        "estimated as transformers' torch fallback runs them (torch_chunk_gated_delta_rule, "
+        "the causal conv1d in torch)"
+    )
+    found = [name for module, name in DELTANET_FAST_PACKAGES.items() if find_spec(module)]
+    if found:
+        note += (
+            f"; {' and '.join(found)} importable here: transformers runs their kernels instead, "
+            "whose memory this estimate does not model"
+        )
+    return [note]
+
+
 def advise(
     model: Any,
     batch: int,
@@ -502,6 +528,7 @@ def advise(
     if base.cpu_offload and base.strategy is not None:
         warnings.append(offload_check(base.strategy))
     warnings += vision_tower_note(spec, count_vision_tower, DtypePlan.of(precision).param)
+    warnings += deltanet_note(spec)
     if seq > spec.max_position_embeddings:
         warnings.append(
             f"seq {seq} is longer than the model's max_position_embeddings "

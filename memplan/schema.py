@@ -173,6 +173,22 @@ class ModelSpec(BaseModel):
     # The width of the shared experts' gated MLP beside the routed experts of each MoE layer
     # (moe_intermediate_size x n_shared_experts; Llama 4's one shared expert); 0: none.
     shared_expert_intermediate_size: int = Field(default=0, ge=0)
+    # Qwen3.5's gated DeltaNet layers, by index (the others are full attention): transformers'
+    # torch fallback (torch_chunk_gated_delta_rule, the causal conv1d in torch), with
+    # linear_* heads and dims and a depthwise conv of linear_conv_kernel_dim taps; `deltanet`:
+    # this layer view is one of them (ModelSpec.layer).
+    linear_attention_layers: tuple[int, ...] = ()
+    linear_num_key_heads: int = Field(default=0, ge=0)
+    linear_num_value_heads: int = Field(default=0, ge=0)
+    linear_key_head_dim: int = Field(default=0, ge=0)
+    linear_value_head_dim: int = Field(default=0, ge=0)
+    linear_conv_kernel_dim: int = Field(default=0, ge=0)
+    deltanet: bool = False
+    # Qwen3.5's full attention: q_proj twice as wide, its second half a gate whose sigmoid
+    # multiplies the attention output before o_proj.
+    attention_output_gate: bool = False
+    # Qwen3.5's multimodal RoPE: cos/sin built for every batch row (batch x seq x rotated).
+    rope_per_batch_row: bool = False
     # A multimodal config (gemma3, mistral3) read for its text model: its model_type, and the
     # elements of each parameter of its vision tower and projector, in registration order
     # (memplan.catalog.vision_tower), which the estimate counts only when asked
@@ -219,6 +235,11 @@ class ModelSpec(BaseModel):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"global_key_value_heads ({heads})"
             )
+        if any(not 0 <= i < self.num_hidden_layers for i in self.linear_attention_layers):
+            raise ValueError(
+                f"linear_attention_layers {self.linear_attention_layers} name layers the model "
+                "does not have"
+            )
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for "
@@ -260,11 +281,14 @@ class ModelSpec(BaseModel):
     @property
     def uniform_layers(self) -> bool:
         """Every decoder layer has the same attention geometry (no Gemma 4 global layers)."""
-        return not self.global_layers
+        return not self.global_layers and not self.linear_attention_layers
 
     def layer(self, index: int) -> ModelSpec:
         """The spec as decoder layer `index` sees it: a global layer's head dim, KV heads and
-        values taken from the keys in place of the model's (the spec itself elsewhere)."""
+        values taken from the keys in place of the model's, a gated DeltaNet layer flagged as
+        one (the spec itself elsewhere)."""
+        if index in self.linear_attention_layers:
+            return self.model_copy(update={"deltanet": True, "linear_attention_layers": ()})
         if index not in self.global_layers:
             return self
         return self.model_copy(

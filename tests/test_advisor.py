@@ -350,3 +350,20 @@ def _rendered(advice) -> str:
     out = io.StringIO()
     print_advice(advice, Console(file=out, width=300))
     return out.getvalue()
+
+
+def test_advice_names_the_gated_deltanet_path_it_estimates(monkeypatch):
+    import memplan.advisor
+
+    def deltanet_notes() -> list[str]:
+        advice = advise("qwen3.5-0.8b", 1, 256, gpu="h100")
+        return [w for w in advice.warnings if "gated DeltaNet" in w]
+
+    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: None)
+    (note,) = deltanet_notes()
+    assert "18 gated DeltaNet layers" in note and "torch fallback" in note
+    assert "importable" not in note
+    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: name == "fla" or None)
+    (note,) = deltanet_notes()
+    assert "flash-linear-attention importable here" in note
+    assert not [w for w in advise("llama-3.2-1b", 1, 256, gpu="h100").warnings if "DeltaNet" in w]

@@ -975,10 +975,13 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     assert len(model.model.layers) == spec.num_hidden_layers
     assert hf_config.max_position_embeddings == spec.max_position_embeddings
 
-    layer = model.model.layers[0]
+    # the first full-attention layer (Qwen3.5's gated DeltaNet layers have none)
+    first = next(i for i in range(spec.num_hidden_layers) if i not in spec.linear_attention_layers)
+    layer = model.model.layers[first]
     attn = layer.self_attn
+    gate = 2 if spec.attention_output_gate else 1  # q_proj's gate half
     q_width, kv_width = (
-        spec.num_attention_heads * spec.head_dim,
+        spec.num_attention_heads * spec.head_dim * gate,
         spec.num_key_value_heads * spec.head_dim,
     )
     assert hasattr(attn, "qkv_proj") == spec.fused_qkv
@@ -1004,8 +1007,22 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
     assert hasattr(layer, "layer_scalar") == spec.layer_scalar
     if not (spec.fused_qkv or spec.mla):  # each layer's geometry (Gemma 4's global layers)
         for index, built in enumerate(model.model.layers):
-            view, built_attn = spec.layer(index), built.self_attn
-            assert built_attn.q_proj.out_features == spec.num_attention_heads * view.head_dim
+            view = spec.layer(index)
+            assert hasattr(built, "linear_attn") == view.deltanet
+            if view.deltanet:
+                delta = built.linear_attn
+                assert (delta.num_k_heads, delta.num_v_heads) == (
+                    spec.linear_num_key_heads,
+                    spec.linear_num_value_heads,
+                )
+                assert (delta.head_k_dim, delta.head_v_dim, delta.conv_kernel_size) == (
+                    spec.linear_key_head_dim,
+                    spec.linear_value_head_dim,
+                    spec.linear_conv_kernel_dim,
+                )
+                continue
+            built_attn = built.self_attn
+            assert built_attn.q_proj.out_features == spec.num_attention_heads * view.head_dim * gate
             assert built_attn.k_proj.out_features == view.num_key_value_heads * view.head_dim
             assert (getattr(built_attn, "v_proj", None) is None) == view.values_from_keys
             assert hasattr(built_attn, "v_norm") == spec.v_norm
@@ -1236,3 +1253,52 @@ def test_deepseek_v3_latent_attention_reads_as_transformers_builds_it():
 def test_deepseek_v3_configs_memplan_does_not_model_are_one_error(overrides, message):
     with pytest.raises(MemplanError, match=message):
         spec_from_config({"model_type": "deepseek_v3", **overrides})
+
+
+def qwen3_5_text_config(**overrides) -> dict:
+    """Qwen3.5-0.8B's text_config as the catalog holds it, with `overrides`."""
+    return {**RAW["qwen3.5-0.8b"]["config"]["text_config"], **overrides}
+
+
+def test_qwen3_5_reads_its_deltanet_and_full_attention_layers():
+    spec = ENTRIES["qwen3.5-0.8b"].spec
+    assert spec.model_type == "qwen3_5_text" and spec.wrapper_model_type == "qwen3_5"
+    full = tuple(range(3, 24, 4))  # every fourth layer
+    assert spec.linear_attention_layers == tuple(i for i in range(24) if i not in full)
+    geometry = (
+        spec.linear_num_key_heads,
+        spec.linear_num_value_heads,
+        spec.linear_key_head_dim,
+        spec.linear_value_head_dim,
+        spec.linear_conv_kernel_dim,
+    )
+    assert geometry == (16, 16, 128, 128, 4)
+    assert spec.attention_output_gate and spec.rope_per_batch_row and spec.qk_norm
+    assert spec.rotary_dim == 64 and spec.sliding_window is None  # a quarter of head_dim 256
+    # without layer_types, full_attention_interval places the full layers as the config class
+    derived = {k: v for k, v in qwen3_5_text_config().items() if k != "layer_types"}
+    assert spec_from_config(derived).linear_attention_layers == spec.linear_attention_layers
+    every_other = spec_from_config(qwen3_5_text_config(layer_types=None, full_attention_interval=2))
+    assert every_other.linear_attention_layers == tuple(range(0, 24, 2))
+    assert spec.layer(0).deltanet and not spec.layer(3).deltanet
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"layer_types": ["linear_attention"] * 23}, "a list of 24 entries"),
+        ({"layer_types": ["sliding_attention"] * 24}, '"linear_attention" or "full_attention"'),
+        ({"linear_num_value_heads": 24}, "not a multiple of linear_num_key_heads"),
+        ({"linear_key_head_dim": 0}, "'linear_key_head_dim'"),
+    ],
+)
+def test_qwen3_5_configs_memplan_cannot_read_are_refused(overrides, message):
+    with pytest.raises(MemplanError) as error:
+        spec_from_config(qwen3_5_text_config(**overrides))
+    assert message in _one_line(error)
+
+
+def test_qwen3_5_with_a_data_parallel_strategy_is_refused():
+    spec = ENTRIES["qwen3.5-0.8b"].spec
+    with pytest.raises(UsageError, match="one GPU"):
+        estimate(spec, TrainSetup(batch=1, seq=256, gpus=2, strategy="fsdp2"))

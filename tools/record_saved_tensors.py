@@ -129,6 +129,16 @@ FAMILIES = {
         "attention_chunk_size": 32,
         "floor_scale": 16,
     },
+    # a gated DeltaNet layer (twice as many value heads as key heads) and a gated full
+    # attention layer, a quarter of each head rotated
+    "qwen3_5_text": {
+        "head_dim": 64,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+    },
 }
 
 
@@ -157,6 +167,7 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
             "granite",
             "exaone4",
             "gemma4_text",
+            "qwen3_5_text",
         )
     },
     "phi3": (("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("o_proj",)),

@@ -92,6 +92,7 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
     num_experts, experts_per_tok, moe_intermediate = _experts(rules, cfg, config, model_type)
     dense_layers, shared_width = _dense_and_shared(rules, cfg, layers, moe_intermediate)
     llama4 = _llama4_attention(rules, cfg, layers, nope_layers)
+    deltanet = _gated_deltanet(rules, cfg, layers)
 
     fields = {
         "name": name,
@@ -143,6 +144,9 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "kv_kept_layers": _kv_kept_layers(rules, cfg, layers),
         **_multipliers(rules, cfg),
         **llama4,
+        **deltanet,
+        "attention_output_gate": rules.attention_output_gate,
+        "rope_per_batch_row": rules.rope_per_batch_row,
         "num_experts": num_experts,
         "num_experts_per_tok": experts_per_tok,
         "moe_intermediate_size": moe_intermediate,
@@ -623,6 +627,42 @@ def _rope_tables(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> int:
     if rules.windowed_layers == "pattern":
         return len(set(_pattern_layer_types(rules, cfg, layers)))
     return 1
+
+
+def _gated_deltanet(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Qwen3.5's gated DeltaNet layers and their geometry: those layer_types names
+    "linear_attention", else all but every full_attention_interval-th layer."""
+    if not rules.gated_deltanet:
+        return {}
+    kinds = ("linear_attention", "full_attention")
+    if cfg.get("layer_types") is not None:
+        types = tuple(_optional_list(cfg, "layer_types"))
+        if len(types) != layers or not set(types) <= set(kinds):
+            raise _bad_value(
+                "layer_types",
+                cfg["layer_types"],
+                f'a list of {layers} entries, each "linear_attention" or "full_attention"',
+            )
+    else:
+        interval = _positive_int(cfg, "full_attention_interval")
+        types = tuple(kinds[(i + 1) % interval == 0] for i in range(layers))
+    geometry = {
+        key: _positive_int(cfg, key)
+        for key in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        )
+    }
+    if geometry["linear_num_value_heads"] % geometry["linear_num_key_heads"]:
+        raise MemplanError(
+            f"linear_num_value_heads ({geometry['linear_num_value_heads']}) is not a multiple of "
+            f"linear_num_key_heads ({geometry['linear_num_key_heads']})"
+        )
+    linear = tuple(i for i, kind in enumerate(types) if kind == "linear_attention")
+    return {"linear_attention_layers": linear, **geometry}
 
 
 def _experts(

@@ -14,6 +14,18 @@ from memplan.families.wrappers import Wrapper
 
 # The tower config classes' defaults for the keys that decide its parameters (transformers 5).
 TOWER_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Qwen3_5VisionConfig's
+    "qwen3_5": {
+        "depth": 27,
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "in_channels": 3,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 3584,
+        "num_position_embeddings": 2304,
+    },
     "siglip": {
         "hidden_size": 768,
         "intermediate_size": 3072,
@@ -209,7 +221,26 @@ def llama4_tensors(vision: dict[str, Any]) -> tuple[int, ...]:
     return tuple(tensors)
 
 
+def qwen3_5_tensors(vision: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen3_5VisionModel: the patch Conv3d (with bias), learned position embeddings, blocks of
+    two LayerNorms, fused qkv and proj (biases), fc1/fc2 (biases), then the patch merger (its
+    LayerNorm, fc1 over spatial_merge_size^2 patches, fc2 into out_hidden_size, biases): the
+    merger is the tower's own projection, so the wrapper has no projector beside it."""
+    p = "vision_config."
+    h, inter = _count(vision, p + "hidden_size"), _count(vision, p + "intermediate_size")
+    patch = _count(vision, p + "patch_size")
+    volume = _count(vision, p + "in_channels") * _count(vision, p + "temporal_patch_size")
+    merged = h * _count(vision, p + "spatial_merge_size") ** 2
+    out = _count(vision, p + "out_hidden_size")
+    layer = (h, h, h, h, 3 * h * h, 3 * h, h * h, h, inter * h, inter, h * inter, h)
+    tensors = [h * volume * patch * patch, h, _count(vision, p + "num_position_embeddings") * h]
+    tensors += layer * _layers(vision, p + "depth")
+    tensors += [h, h, merged * merged, merged, out * merged, out]
+    return tuple(tensors)
+
+
 TOWERS: dict[str, Callable[[dict[str, Any]], tuple[int, ...]]] = {
+    "qwen3_5": qwen3_5_tensors,
     "siglip": siglip_tensors,
     "pixtral": pixtral_tensors,
     "gemma4": gemma4_tensors,
@@ -276,4 +307,5 @@ PROJECTORS: dict[str, Callable[[dict[str, Any], dict[str, Any], int], tuple[int,
     "mistral3": mistral3_projector,
     "gemma4": gemma4_embedder,
     "llama4": llama4_projector,
+    "qwen3_5": lambda config, vision, text_hidden: (),
 }

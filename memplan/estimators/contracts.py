@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from memplan.estimators import kernel_contracts as kc
+from memplan.estimators.deltanet import deltanet_saved
 from memplan.estimators.params import (
     LORA_TARGET_SHAPES,
+    deltanet_projection_widths,
     latent_attention_tensors,
     layer_lora_targets,
+    linear_value_dim,
     moe_rules,
 )
 from memplan.estimators.releases import Release
@@ -104,6 +107,8 @@ def walked_tensor_by_tensor(spec: ModelSpec) -> bool:
 # around it, the MLP's adapters and autocast's copies of its weights): its backward frees them.
 AFTER_ATTENTION = ("norm.post_attn", "norm.mlp", "mlp.", "moe.", "norm.post_mlp")
 AFTER_ATTENTION += tuple(f"lora.{w}{m}" for w in ("", "weights.") for m in ("gate", "up", "down"))
+# Qwen3.5's output gate (output_gate_saved) runs after attention's core, and its backward before
+AFTER_ATTENTION += ("attn.gate",)
 # The entry of layer_saved for what q, k and v keep of the layer's input in a post-norm layer.
 LAYER_INPUT = "attn.in"
 # What matmul(probs, v) keeps where attention materializes scores: the probabilities' cast (or
@@ -130,9 +135,9 @@ class LayerContext:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """The adapted linears this layer has (no v_proj where its values are its keys)."""
-        targets = self.setup.lora_targets
-        return tuple(t for t in targets if not (self.spec.values_from_keys and t == "v_proj"))
+        """The adapted linears this layer has (no v_proj where its values are its keys, none of
+        the attention's in a gated DeltaNet layer)."""
+        return tuple(layer_lora_targets(self.spec, self.setup))
 
     def output_needs_grad(self, stage: int) -> bool:
         """Whether the output of a matmul stage (LORA_TARGET_STAGE: 0 q/k/v, 1 o, 2 gate/up, 3
@@ -145,6 +150,8 @@ class LayerContext:
     rope: bool = True  # this layer rotates q and k (not one of SmolLM3's NoPE layers)
     moe: bool = False  # this layer's MLP is a mixture of experts (not a dense layer)
     chunked: bool = False  # this layer attends within chunks (Llama 4's layers with RoPE)
+    # the model's cache takes each layer's state (use_cache, HF's loss, no checkpointing)
+    cached: bool = False
 
     @property
     def rope_kernel(self) -> bool:
@@ -260,6 +267,9 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=1 if over_projection else heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
+    if spec.qk_norm and spec.attention_output_gate and p == FP32 and not d.autocast:
+        # q is a slice of the gated q_proj's output: q_norm's x.float() keeps all of it
+        out.add("attn.q_norm", FP32 * nh * hd)
     if spec.v_norm:
         v_norm_saved(ctx, out)
     if ctx.rope_kernel:  # memplan's RoPE saves nothing per layer (cos/sin are shared)
@@ -313,8 +323,9 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
             out.add("attn.dropout", dropout_saved_bytes(ctx, p_scores) * nh * seq)
         if ctx.setup.attn == "eager" and spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
-        if o_input_kept(ctx):
+        if o_input_kept(ctx) or spec.attention_output_gate:
             out.add("attn.out", p * nh * hd)
+        output_gate_saved(ctx, out)
         return
     if ctx.backend == "cuda":
         out.add("attn.rng", constant=2 * INT64)  # philox seed and offset of the fused kernels
@@ -341,8 +352,25 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
     copied = (spec.fused_qkv and hf_attention and not efficient_output) or (
         ctx.queries_heads_major and attention_output_follows_query(ctx, path)
     )
-    if copied and o_input_kept(ctx):
+    if copied and spec.attention_output_gate:
+        out.add("attn.gate.in", p * nh * hd)  # kept by the product with the gate
+    elif copied and o_input_kept(ctx):
         out.add("attn.o_proj_in", p * nh * hd)
+    output_gate_saved(ctx, out)
+
+
+def output_gate_saved(ctx: LayerContext, out: Saved) -> None:
+    """Qwen3.5's output gate: attention's output times sigmoid(gate), the second half of
+    q_proj's output (copied out of it by a reshape). The product keeps the sigmoid's output
+    (which its backward reuses) and the attention output (counted with attention's own), and
+    o_proj keeps the product where it trains (o_input_kept)."""
+    spec = ctx.spec
+    if not spec.attention_output_gate:
+        return
+    width = ctx.dtypes.proj * spec.num_attention_heads * spec.head_dim
+    out.add("attn.gate", width)
+    if o_input_kept(ctx):
+        out.add("attn.gate.product", width)
 
 
 @dataclass(frozen=True)
@@ -963,6 +991,8 @@ def layer_saved(ctx: LayerContext) -> Saved:
     if ctx.setup.lora_rank:
         # Frozen base linears save no input; peft's adapters save their own fp32 cast of it.
         qkv_consumers = mlp_consumers = 0
+    if spec.deltanet:  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+        qkv_consumers = 0 if ctx.setup.lora_rank else 4
     p_res = d.residual
     post_norms = spec.sandwich_norm or spec.post_norm
     if spec.post_norm:  # q, k and v read the residual stream itself
@@ -979,7 +1009,10 @@ def layer_saved(ctx: LayerContext) -> Saved:
             gemma_norm,
             input_requires_grad=ctx.needs_input_grad,
         )
-    attention_saved(ctx, out)
+    if spec.deltanet:
+        deltanet_saved(ctx, out, ctx.cached)
+    else:
+        attention_saved(ctx, out)
     if spec.residual_dropout and ctx.output_needs_grad(1):
         out.add("attn.residual_dropout", dropout_saved_bytes(ctx, d.proj) * spec.hidden_size)
     after_attention = ctx.output_needs_grad(1)
@@ -1182,13 +1215,19 @@ def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0, moe: bool = F
     """The elements of each weight autocast_weight_params counts, one copy each."""
     h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
-    qkv = [h * (q_out + 2 * kv_out)] if spec.fused_qkv else [h * q_out, h * kv_out, h * kv_out]
+    gate = q_out if spec.attention_output_gate else 0
+    qkv = [h * (q_out + 2 * kv_out)] if spec.fused_qkv else [h * (q_out + gate), h * kv_out]
+    if not spec.fused_qkv:
+        qkv += [h * kv_out]
     if spec.values_from_keys:
         qkv = qkv[:2]
     o_weight = [h * q_out]
     if spec.mla:  # the latent projections in forward order, o_proj v_head_dim wide per head
         latent = [rows * cols for name, rows, cols in latent_weights(spec)]
         qkv, o_weight = latent[:-1], latent[-1:]
+    if spec.deltanet:  # the input projections, then out_proj (the conv's copy is its own)
+        qkv = [h * width for width in deltanet_projection_widths(spec)]
+        o_weight = [h * linear_value_dim(spec)]
     if moe and spec.moe_router == "sigmoid_every_expert":
         # Llama 4's experts run torch.bmm, an autocast op, beside a shared gated MLP
         e, width, shared = (

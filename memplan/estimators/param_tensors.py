@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.estimators.params import latent_attention_tensors, moe_rules, qk_norm_widths
+from memplan.estimators.params import (
+    deltanet_conv_dim,
+    deltanet_other_widths,
+    deltanet_projection_widths,
+    latent_attention_tensors,
+    linear_value_dim,
+    moe_rules,
+    qk_norm_widths,
+)
 from memplan.schema import ModelSpec
 
 Shape = tuple[int, int]  # (dim 0, the product of the other dims)
@@ -109,6 +117,8 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
         projections: tuple[int, ...] = (q_out + 2 * kv_out,)
     else:
         projections = (q_out, kv_out) if spec.values_from_keys else (q_out, kv_out, kv_out)
+    if spec.attention_output_gate:  # q_proj's second half is the output gate
+        projections = (2 * q_out, *projections[1:])
     for index, out in enumerate(projections):
         attention.append((out, h))
         if spec.attention_bias and not spec.fused_qkv:
@@ -122,6 +132,8 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
         attention += qk_norms
     if spec.mla:
         attention = [(rows, cols) for _, rows, cols in latent_attention_tensors(spec)]
+    if spec.deltanet:
+        attention = deltanet_shapes(spec)
     dense = dense_mlp_shapes(spec, spec.intermediate_size)
     mlp = moe_shapes(spec) if spec.num_experts else dense
     norm: list[Shape] = [(h, 1), (h, 1)] if spec.norm == "layer" else [(h, 1)]
@@ -138,6 +150,17 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
         dense_mlp=tuple(dense) if spec.dense_layers else (),
         router_index=router_position(spec),
     )
+
+
+def deltanet_shapes(spec: ModelSpec) -> list[Shape]:
+    """Qwen3.5's gated DeltaNet in parameters() order: its own dt_bias and A_log, then its
+    submodules' (the depthwise conv's weight, the gated norm's weight, out_proj, in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a)."""
+    _, dt_bias, a_log, norm = deltanet_other_widths(spec)
+    h = spec.hidden_size
+    inputs = [(width, h) for width in deltanet_projection_widths(spec)]
+    conv = (deltanet_conv_dim(spec), spec.linear_conv_kernel_dim)
+    return [(dt_bias, 1), (a_log, 1), conv, (norm, 1), (h, linear_value_dim(spec)), *inputs]
 
 
 # The routers (MoeRules.router) of MoE blocks that register their experts first, then the

@@ -38,7 +38,10 @@ def layer_linear_params(layer: ModelSpec, index: int) -> int:
     h, hd = layer.hidden_size, layer.head_dim
     q_out, kv_out = layer.num_attention_heads * hd, layer.num_key_value_heads * hd
     projections = 1 if layer.values_from_keys else 2  # k and v, or k alone (values from keys)
-    attn = h * q_out + projections * h * kv_out + q_out * h
+    gate = q_out if layer.attention_output_gate else 0  # q_proj's gate half
+    attn = h * (q_out + gate) + projections * h * kv_out + q_out * h
+    if layer.deltanet:
+        attn = sum(deltanet_projection_widths(layer)) * h + linear_value_dim(layer) * h
     if layer.attention_bias:
         attn += q_out + projections * kv_out
     if layer.attention_out_bias:
@@ -61,8 +64,35 @@ def layer_other_params(layer: ModelSpec) -> int:
     norm_width = 2 * layer.hidden_size if layer.norm == "layer" else layer.hidden_size
     n_norms = 4 if layer.sandwich_norm else 2
     sinks = layer.num_attention_heads if layer.attention_sinks else 0
+    if layer.deltanet:
+        return n_norms * norm_width + sum(deltanet_other_widths(layer))
     latent = sum(latent_norm_widths(layer))
     return n_norms * norm_width + sum(qk_norm_widths(layer)) + sinks + latent
+
+
+def linear_value_dim(layer: ModelSpec) -> int:
+    """A gated DeltaNet layer's value width (heads x dim): out_proj's input, z's width."""
+    return layer.linear_num_value_heads * layer.linear_value_head_dim
+
+
+def deltanet_conv_dim(layer: ModelSpec) -> int:
+    """The channels of a gated DeltaNet layer's causal conv: q, k and v together."""
+    return 2 * layer.linear_num_key_heads * layer.linear_key_head_dim + linear_value_dim(layer)
+
+
+def deltanet_projection_widths(layer: ModelSpec) -> tuple[int, ...]:
+    """Output widths of Qwen3.5's input projections, in registration order: in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a."""
+    nv = layer.linear_num_value_heads
+    return deltanet_conv_dim(layer), linear_value_dim(layer), nv, nv
+
+
+def deltanet_other_widths(layer: ModelSpec) -> tuple[int, ...]:
+    """The gated DeltaNet layer's parameters outside matmuls, in registration order: the
+    depthwise conv's weight, dt_bias, A_log, the gated norm's weight."""
+    nv = layer.linear_num_value_heads
+    conv = deltanet_conv_dim(layer) * layer.linear_conv_kernel_dim
+    return conv, nv, nv, layer.linear_value_head_dim
 
 
 def count_params(spec: ModelSpec) -> ParamCounts:
@@ -135,7 +165,10 @@ def qk_norm_widths(spec: ModelSpec) -> tuple[int, ...]:
 
 LORA_TARGET_SHAPES = {
     # target module -> (in_features, out_features) as a function of the spec
-    "q_proj": lambda s: (s.hidden_size, s.num_attention_heads * s.head_dim),
+    "q_proj": lambda s: (
+        s.hidden_size,
+        s.num_attention_heads * s.head_dim * (2 if s.attention_output_gate else 1),
+    ),
     "k_proj": lambda s: (s.hidden_size, s.num_key_value_heads * s.head_dim),
     "v_proj": lambda s: (s.hidden_size, s.num_key_value_heads * s.head_dim),
     "o_proj": lambda s: (s.num_attention_heads * s.value_dim, s.hidden_size),
@@ -228,6 +261,9 @@ def lora_shapes(spec: ModelSpec, setup: TrainSetup) -> list[tuple[int, int]]:
 
 
 def layer_lora_targets(spec: ModelSpec, setup: TrainSetup) -> list[str]:
-    """lora_targets_modelled that one layer (a ModelSpec.layer view) has."""
+    """lora_targets_modelled that one layer (a ModelSpec.layer view) has: a gated DeltaNet layer
+    has none of the attention projections."""
     targets = lora_targets_modelled(spec, setup)
+    if spec.deltanet:
+        return [t for t in targets if t not in attention_lora_targets(spec)]
     return [t for t in targets if not (spec.values_from_keys and t == "v_proj")]

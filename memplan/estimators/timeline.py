@@ -44,6 +44,11 @@ from memplan.estimators.contracts import (
     sink_kernel,
     walked_tensor_by_tensor,
 )
+from memplan.estimators.deltanet import (
+    deltanet_backward_transient,
+    deltanet_cache_bytes,
+    deltanet_forward_peak,
+)
 from memplan.estimators.events import EventLog
 from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
 from memplan.estimators.param_tensors import model_param_tensors, param_tensors
@@ -117,6 +122,12 @@ def layer_contexts(
     # first layer's input: modelled where the walk follows a checkpointed layer tensor by
     # tensor (Llama 4's MoE layers, moe_forward_peaks)
     leaf_input = setup.grad_checkpointing and walked_tensor_by_tensor(spec)
+    hf_loss = not {"flce", "cross_entropy"} & set(setup.kernels)
+    # Under LoRA a layer's input needs a gradient once a layer before it has an adapter: not in
+    # the gated DeltaNet layers before the first full attention, where only attention is
+    # adapted. peft's leaf (checkpointed LoRA) makes every layer's input need one.
+    adapted = [bool(layer_lora_targets(layer, setup)) for layer in spec.layers()] if lora else []
+    leaf_input = leaf_input or (setup.grad_checkpointing and bool(spec.linear_attention_layers))
     return [
         LayerContext(
             spec=spec.layer(index),
@@ -125,12 +136,13 @@ def layer_contexts(
             backend=backend,
             kernels=frozenset(setup.kernels),
             trainable_base=not lora,
-            needs_input_grad=not (lora and index == 0) or leaf_input,
+            needs_input_grad=not lora or any(adapted[:index]) or leaf_input,
             sliding=index < len(layer_types) and layer_types[index] == "sliding_attention",
             under_autocast=dtypes.autocast if under_autocast is None else under_autocast,
             rope=index not in spec.nope_layers,
             moe=spec.moe_layer(index),
             chunked=spec.attention_chunk_size is not None and index not in spec.nope_layers,
+            cached=hf_loss and not setup.grad_checkpointing and spec.use_cache,
         )
         for index in range(spec.num_hidden_layers)
     ]
@@ -384,7 +396,8 @@ def rope_table_bytes(
     rope_dtype = FP32 if dtypes.autocast or spec.rope_in_fp32 else dtypes.residual
     # gpt-oss's tables hold one angle per rotated pair, applied to both halves
     halved = 2 if spec.rope_half_tables else 1
-    return 2 * blocks(setup.seq * width // halved * rope_dtype)
+    rows = setup.batch if spec.rope_per_batch_row else 1  # Qwen3.5's per-row position grids
+    return 2 * blocks(rows * setup.seq * width // halved * rope_dtype)
 
 
 def layer_kind(ctx: LayerContext) -> tuple[bool | int, ...]:
@@ -392,6 +405,7 @@ def layer_kind(ctx: LayerContext) -> tuple[bool | int, ...]:
     gradient (the first layer under LoRA), RoPE applied or not, a MoE or a dense MLP, chunked
     attention, the layer's attention geometry (Gemma 4's global layers)."""
     geometry = ctx.spec.head_dim, ctx.spec.num_key_value_heads, ctx.spec.values_from_keys
+    geometry += (ctx.spec.deltanet,)
     return ctx.sliding, ctx.needs_input_grad, ctx.rope, ctx.moe, ctx.chunked, *geometry
 
 
@@ -694,7 +708,6 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         chunk = setup.flce_chunk or kc.flce_default_chunk(tokens, h, spec.vocab_size)
     # Under autocast FLCE casts the fp32 hidden states and lm_head weight to bf16 copies.
     autocast_copies = [tokens * h * p, spec.vocab_size * h * p] if dtypes.autocast else []
-    layers = spec.layers()
     contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
     return StepSizes(
         counts=counts,
@@ -713,9 +726,11 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         # Raw q, k, v before RoPE and its rotate_half temporaries (latent attention: q, k and
         # kv_b_proj's output), plus the residual pair.
         layer_fwd_transient=[
-            [tokens * p * layer.num_attention_heads * width for width in qkv_widths(layer)]
+            deltanet_forward_peak(ctx, layer_saved(ctx).bytes(tokens), tokens)
+            if ctx.spec.deltanet
+            else [tokens * p * ctx.spec.num_attention_heads * w for w in qkv_widths(ctx.spec)]
             + [tokens * dtypes.residual * h] * 2
-            for layer in layers
+            for ctx in contexts
         ],
         # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
         # saved by its matmul, counted with the loss).
@@ -745,9 +760,14 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             if sink_kernel(ctx)
             else sink_attention_backward_held(spec, setup, dtypes, backend)
             if setup.attn == "eager" and spec.attention_sinks
-            else []
-            if attention_path(ctx) == "scores"
-            else attention_backward_transient(ctx.spec, tokens, p)
+            else deltanet_backward_transient(ctx, tokens)
+            if ctx.spec.deltanet
+            else (
+                []
+                if attention_path(ctx) == "scores"
+                else attention_backward_transient(ctx.spec, tokens, p)
+            )
+            + ([tokens * p * h] if ctx.spec.attention_output_gate else [])
             for ctx in contexts
         ],
         attention_bwd_steps=[
@@ -779,7 +799,7 @@ def scores_backward_steps(
     """A layer's attention backward as contracts.scores_attention_backward's program where it
     materializes scores (gpt-oss's sinks: sink_attention_backward_held); empty elsewhere.
     Where nothing before o_proj needs a gradient, o_proj's backward alone."""
-    if attention_path(ctx) != "scores" or ctx.spec.attention_sinks:
+    if attention_path(ctx) != "scores" or ctx.spec.attention_sinks or ctx.spec.deltanet:
         return []
     o_grads = gradients.attention[: gradients.attention_o]
     rest = gradients.attention[gradients.attention_o :]
@@ -857,6 +877,9 @@ def kv_cache_added(
     for ctx in layer_contexts(spec, setup, dtypes, backend, under_autocast):
         if spec.mla:
             added.append(latent_kv_cache_added(ctx))
+            continue
+        if ctx.spec.deltanet:
+            added.append([round_block(n) for n in deltanet_cache_bytes(ctx)])
             continue
         tensors = kv_cache_tensors(ctx.spec, setup, dtypes, ctx.keys_in_residual_dtype)
         shared = kv_cache_shares_saved(
@@ -1301,6 +1324,8 @@ def walk_step(
         if saved.moe_peaks and saved.moe_peaks[index]:
             # Llama 4's MoE block holds more than the attention; a checkpointed layer's saved
             # tensors die as its forward lets go of them (moe_forward_peaks)
+            recomputed_later = []
+        if index in spec.linear_attention_layers:  # deltanet_forward_peak holds what it needs
             recomputed_later = []
         attention_copies, moe_copies = saved.autocast_cache_by_layer or ([], [])
         cached_copies += [builder.alloc("autocast_cache", n) for n in attention_copies]

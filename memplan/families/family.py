@@ -123,7 +123,15 @@ class ConfigRules:
         temperature (attn_temperature_tuning); eager attention's softmax in q's dtype.
     latent_attention: DeepSeek-V3's multi-head latent attention (q_lora_rank, kv_lora_rank,
         qk_nope_head_dim, qk_rope_head_dim, v_head_dim): ModelSpec.kv_lora_rank and the rest;
-        attention_dropout must be 0 and num_key_value_heads equal num_attention_heads."""
+        attention_dropout must be 0 and num_key_value_heads equal num_attention_heads.
+    gated_deltanet: layer_types name "linear_attention" layers (else every
+        full_attention_interval-th layer is full attention, the others linear): Qwen3.5's gated
+        DeltaNet, q/k/v through a causal depthwise conv, the gated delta rule in chunks of 64
+        (transformers' torch fallback), a gated RMSNorm before out_proj.
+    attention_output_gate: the full attention's q_proj is twice as wide; the second half's
+        sigmoid multiplies the attention output before o_proj (Qwen3.5, Qwen3-Next).
+    rope_per_batch_row: the rotary embedding builds cos/sin for every batch row (Qwen3.5's
+        multimodal RoPE, three position grids per row)."""
 
     defaults: dict[str, Any]
     act_key: str = "hidden_act"
@@ -158,6 +166,9 @@ class ConfigRules:
     unmodelled: tuple[Unmodelled, ...] = ()
     llama4_attention: bool = False
     latent_attention: bool = False
+    gated_deltanet: bool = False
+    attention_output_gate: bool = False
+    rope_per_batch_row: bool = False
     moe: MoeRules | None = None
 
     def __post_init__(self) -> None:

@@ -833,5 +833,56 @@ FAMILIES: dict[str, Family] = {
             tiny_from="llama-4-scout-17b-16e",
             wrapped_by=("llama4",),
         ),
+        Family(
+            model_type="qwen3_5_text",
+            config=ConfigRules(
+                # Qwen3_5TextConfig's defaults (Qwen3.5-9B's sizes)
+                defaults={
+                    "vocab_size": 248320,
+                    "hidden_size": 4096,
+                    "intermediate_size": 12288,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 4,
+                    "head_dim": 256,
+                    "max_position_embeddings": 32768,
+                    "partial_rotary_factor": 0.25,
+                    "full_attention_interval": 4,
+                    "linear_conv_kernel_dim": 4,
+                    "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128,
+                    "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 32,
+                },
+                qk_norm=True,
+                windowed_layers="never",
+                reads_layer_types=False,
+                partial_rotary=True,
+                gated_deltanet=True,
+                attention_output_gate=True,
+                rope_per_batch_row=True,
+            ),
+            patch=PatchSpec(
+                model_type="qwen3_5_text",
+                # (1 + w) in fp32 on fp32 x, cast at the end: Gemma's casting; q_norm and
+                # k_norm are of the class too
+                norm=_gemma_norm("Qwen3_5", in_place_backward=True),
+                # the gated attention (sigmoid output gate, multimodal RoPE) keeps its forward
+                attention=AttentionSpec(classes=()),
+                mlp=MlpSpec(classes=("Qwen3_5MLP",)),
+                causal_lm=CausalLMSpec(classes=("Qwen3_5ForCausalLM",)),
+                notes=(
+                    "the decoder layers keep their forward: each runs a gated DeltaNet or a "
+                    "full attention",
+                    "the full attention keeps its forward: its output gate and multimodal RoPE "
+                    "are not memplan's attention",
+                    "the gated DeltaNet runs transformers' torch fallback (chunked gated delta "
+                    "rule, causal conv1d in torch); flash-linear-attention and causal-conv1d "
+                    "are not modelled",
+                ),
+            ),
+            tiny_from="qwen3.5-0.8b",
+            wrapped_by=("qwen3_5",),
+        ),
     )
 }

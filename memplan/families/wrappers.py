@@ -23,7 +23,7 @@ class Wrapper:
 
     model_type: str
     default_text: str
-    tower: Literal["siglip", "pixtral", "gemma4", "llama4"]
+    tower: Literal["siglip", "pixtral", "gemma4", "llama4", "qwen3_5"]
     tower_model_types: tuple[str, ...] = ()
     default_vision: dict[str, Any] = field(default_factory=dict)
     without_vision_config: Literal["default", "none"] = "default"
@@ -54,6 +54,13 @@ WRAPPERS: dict[str, Wrapper] = {
                 "num_hidden_layers": 24,
                 "num_attention_heads": 16,
             },
+        ),
+        # Qwen3_5Config renames a vision_config of model_type qwen3_5 to qwen3_5_vision
+        Wrapper(
+            model_type="qwen3_5",
+            default_text="qwen3_5_text",
+            tower="qwen3_5",
+            tower_model_types=("qwen3_5_vision", "qwen3_5"),
         ),
         Wrapper(
             model_type="llama4",

@@ -99,6 +99,17 @@ def shrink(
         config["head_dim"] = config["qk_rope_head_dim"]
     if "num_experts_per_tok" in config:
         config.update(num_experts_per_tok=2, output_router_logits=True)
+    if "linear_num_value_heads" in config:  # qwen3_5_text: a gated DeltaNet layer, then a full
+        # attention one; DeltaNet heads as the attention's, twice as many value as key heads
+        layers = overrides.get("num_hidden_layers", config["num_hidden_layers"])
+        kinds = ("linear_attention", "full_attention")
+        config.update(
+            layer_types=[kinds[i % 2] for i in range(layers)],
+            linear_num_key_heads=config["num_key_value_heads"],
+            linear_num_value_heads=2 * config["num_key_value_heads"],
+            linear_key_head_dim=config["head_dim"],
+            linear_value_head_dim=config["head_dim"],
+        )
     rope = config.get("rope_parameters")
     if isinstance(rope, dict) and "llama_4_scaling_beta" in rope:
         # Ministral 3: positions from 4 on get a query factor other than 1, so that it matters

@@ -71,6 +71,8 @@ VARIANTS = {
     "gpt_oss": {"precision": "amp-bf16"},
     # every expert's bmm copies its weights under autocast; the sum of their outputs in fp32
     "llama4_text": {"precision": "amp-bf16"},
+    # the gated DeltaNet layer before the first adapter (attention only) saves nothing
+    "qwen3_5_text": {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
@@ -154,6 +156,20 @@ EXTRA_VARIANTS = [
     ("gpt_oss", {}, {"grad_checkpointing": True, "precision": "fp32"}),
     (
         "gpt_oss",
+        {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+    # qwen3_5_text: eager attention beside the DeltaNet; fp32 (q and k views of the conv
+    # output); under autocast (the DeltaNet's chunk matmuls on bf16 casts, not modelled tensor
+    # by tensor); checkpointed (the DeltaNet's graph-free forward); adapters in every layer's
+    # MLP; checkpointed LoRA on q and v (peft's leaf: the frozen DeltaNet's conv keeps its input)
+    ("qwen3_5_text", {}, {"attn": "eager"}),
+    ("qwen3_5_text", {}, {"precision": "fp32"}),
+    ("qwen3_5_text", {}, {"precision": "amp-bf16"}),
+    ("qwen3_5_text", {}, {"grad_checkpointing": True}),
+    ("qwen3_5_text", {}, {"lora_rank": 16, "lora_targets": ("gate_proj", "up_proj", "down_proj")}),
+    (
+        "qwen3_5_text",
         {},
         {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
     ),

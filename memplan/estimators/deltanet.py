@@ -1,0 +1,136 @@
+"""Memory contract of Qwen3.5's gated DeltaNet layer as transformers 5.17 runs it without
+flash-linear-attention and causal-conv1d: the torch fallback (torch_chunk_gated_delta_rule and
+the causal conv1d in torch). Read off the tensors autograd saves on the CPU and checked by
+tests/test_estimator_contracts.py and tests/test_deltanet_contract.py.
+
+Notation: T = batch x seq tokens, c = ceil(seq / 64) chunks, Tp = 64 x batch x c padded tokens,
+nk / nv key / value heads, dk / dv their dims, C = 2 nk dk + nv dv the conv's channels, K its
+taps, p the projections' bytes (2 in bf16 and under autocast, 4 in fp32)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memplan.estimators.contracts import LayerContext, Saved
+
+FP32 = 4
+CHUNK = 64  # torch_chunk_gated_delta_rule's chunk_size
+
+
+def chunks(seq: int) -> int:
+    return -(-seq // CHUNK)
+
+
+def conv_channels(ctx: LayerContext) -> int:
+    spec = ctx.spec
+    return 2 * spec.linear_num_key_heads * spec.linear_key_head_dim + value_width(ctx)
+
+
+def value_width(ctx: LayerContext) -> int:
+    return ctx.spec.linear_num_value_heads * ctx.spec.linear_value_head_dim
+
+
+def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
+    """One gated DeltaNet layer's saved tensors beyond its input (which the input projections
+    keep: norm_saved's consumers). `cached`: the model's cache takes the final recurrent state
+    (use_cache without checkpointing), so the last chunk's state update stays in the graph.
+
+    - the conv's input (in_proj_qkv's output, transposed) and, under autocast, its weight's
+      bf16 cast, trained or frozen (convolution's backward saves both whichever needs a
+      gradient); SiLU's input, the conv output with its K - 1 padded positions; sigmoid(b);
+      the decay: softplus's fp32 input, and where A_log trains its output and exp(A_log),
+      beside -exp(A_log);
+    - q and k repeated to the value heads in fp32 and their L2 norms' rsqrt (fp32 with as
+      many key as value heads: q and k are views of the conv output, which they keep instead);
+    - the chunked rule on padded fp32 tensors: beta and v padded; the normalized key, the scaled
+      query and k * beta; three decay tensors and the chunk decay; the 64 x 64 bool mask; five
+      64 x 64 fp32 tensors per chunk; the two triangular solves' results; the decayed key and
+      query where a later chunk reads the state (the key also where the cache takes the final
+      state); one recurrent state per chunk; each chunk's v_new. Unpadded in fp32, the chunk
+      matmuls copy four strided operands of nv x dk per padded token;
+    - the gated RMSNorm: its fp32 input, rsqrt, the normalized product in the input's dtype
+      where its weight trains, weight x that product (fp32 under autocast, whose weight is
+      fp32), the fp32 gate and its SiLU; out_proj's input where its weight trains."""
+    if not ctx.needs_input_grad:
+        return  # no adapter inside: nothing before the layer's output needs a gradient
+    spec, p, d = ctx.spec, ctx.dtypes.proj, ctx.dtypes
+    batch, seq = ctx.setup.batch, ctx.seq
+    nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
+    dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
+    c = chunks(seq)
+    padded = CHUNK * batch * c  # Tp
+    conv = conv_channels(ctx)
+    trained = ctx.trainable_base
+    fp32_views = p == FP32 and not d.autocast
+    # the conv: its input (a bf16 cast of an fp32 copy under autocast) and the padded output;
+    # convolution saves input and weight even where only the input needs a gradient
+    out.add("delta.conv", p * conv)
+    if d.autocast:  # conv1d is an autocast op: the cast of its fp32 weight
+        out.add("delta.conv", constant=p * conv * spec.linear_conv_kernel_dim)
+    out.add("delta.conv", constant=p * conv * batch * (seq + spec.linear_conv_kernel_dim - 1))
+    out.add("delta.beta", p * nv)
+    out.add("delta.decay", constant=FP32 * nv * trained)
+    out.add_each("delta.decay", FP32 * nv, FP32 * nv * trained)
+    out.add("delta.decay", constant=FP32 * nv)
+    if fp32_views and nk == nv:
+        out.add("delta.qk", p * conv)  # q and k are views of the conv's SiLU output
+        out.add_each("delta.qk", FP32 * nv, FP32 * nv)
+    else:
+        out.add_each("delta.qk", FP32 * nv * dk, FP32 * nv, FP32 * nv * dk, FP32 * nv)
+    fixed = [FP32 * nv * padded, FP32 * nv * dv * padded]  # beta, v
+    fixed += [FP32 * nv * dk * padded] * 3  # key, scaled query, k * beta
+    fixed += [FP32 * nv * padded] * 3 + [FP32 * nv * batch * c]  # decays, chunk decay
+    fixed += [CHUNK * CHUNK]  # the bool mask
+    fixed += [FP32 * nv * CHUNK * padded] * 5  # 64 x 64 per chunk
+    fixed += [FP32 * nv * dv * padded, FP32 * nv * dk * padded]  # the solves' results
+    # the decayed key where a later chunk or the cached final state reads it, the decayed
+    # query where a chunk reads a state that needs a gradient (from the second chunk on)
+    fixed += [FP32 * nv * dk * padded] * ((c > 1 or cached) + (c > 1))
+    fixed += [FP32 * nv * dk * dv * batch * c]  # a state per chunk
+    fixed += [FP32 * nv * dv * padded]  # v_new
+    if fp32_views and seq % CHUNK == 0:
+        fixed += [FP32 * nv * dk * padded] * 4  # strided operands the chunk matmuls copy
+    for nbytes in fixed:
+        out.add("delta.chunk", constant=nbytes)
+    v = nv * dv
+    product = FP32 if d.autocast else p
+    out.add_each("delta.norm", FP32 * v, FP32 * nv, p * v * trained, product * v)
+    out.add_each("delta.norm", FP32 * v, FP32 * v)
+    out.add("delta.out", p * v * trained)
+
+
+def deltanet_cache_bytes(ctx: LayerContext) -> list[int]:
+    """What the model's cache holds of one gated DeltaNet layer until the forward returns: the
+    last K conv inputs (the projections' dtype) and the final recurrent state (fp32)."""
+    spec = ctx.spec
+    batch = ctx.setup.batch
+    conv = ctx.dtypes.proj * batch * conv_channels(ctx) * spec.linear_conv_kernel_dim
+    state = FP32 * batch * spec.linear_num_value_heads
+    return [conv, state * spec.linear_key_head_dim * spec.linear_value_head_dim]
+
+
+def deltanet_forward_peak(ctx: LayerContext, layer_saved_bytes: int, tokens: int) -> list[int]:
+    """What one gated DeltaNet layer's forward holds at its high point beyond the layer's
+    start, as the traced step shows it (not read off autograd: an estimate). Recording the
+    graph, the high point comes after the chunked rule, with everything the layer saves
+    (`layer_saved_bytes`, the MLP's included) and the residual pair alive; in a checkpointed
+    layer's graph-free forward, the padded fp32 q, k, v and beta, two 64 x 64 fp32 tensors per
+    chunk and the residual pair."""
+    spec, d = ctx.spec, ctx.dtypes
+    pair = [tokens * d.residual * spec.hidden_size] * 2
+    if not ctx.setup.grad_checkpointing:
+        return [layer_saved_bytes, *pair]
+    nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+    padded = CHUNK * ctx.setup.batch * chunks(ctx.seq)
+    rule = FP32 * nv * padded * (2 * dk + dv + 1 + 2 * CHUNK)
+    return [rule, *pair]
+
+
+def deltanet_backward_transient(ctx: LayerContext, tokens: int) -> list[int]:
+    """An estimate of what one gated DeltaNet layer's backward holds beside its saved tensors
+    and its weights' gradients: the gradients of the conv's output and of z, in the
+    projections' dtype (the traced step's DeltaNet backward stays below the MLP's backward
+    before it)."""
+    p = ctx.dtypes.proj
+    return [tokens * p * conv_channels(ctx), tokens * p * value_width(ctx)]
