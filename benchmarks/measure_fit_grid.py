@@ -25,14 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.first_predictions import main, measure_predicted  # noqa: E402
-from memplan.advisor import (  # noqa: E402
-    SEQ_STEP,
-    advise,
-    judge,
-    largest_batch,
-    largest_seq,
-    with_flce_choice,
-)
+from memplan.advisor import SEQ_STEP, advise  # noqa: E402
 from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
 from memplan.schema import Report, VerifyCase  # noqa: E402
 from memplan.verify.protocol import case_name  # noqa: E402
@@ -68,26 +61,34 @@ MIN_BATCH_EDGE = 10
 
 
 def edge_cases(model: str, kernels: str, options: dict[str, Any], gpu_name: str) -> list[dict]:
+    """The largest batch advise gives (or, where a batch step is coarse, its largest sequence)
+    and one more, each with the verdict advise prints for it: what a user would act on."""
     spec, gpu = resolve_model(model), resolve_gpu(gpu_name)
-    plan = advise(spec, 1, SEQ, gpu=gpu, kernels=kernels, **options).setup
-    base = plan.model_copy(update={"flce_chunk": None, "flce_memory_budget": None})
-    best = largest_batch(spec, base, gpu)
+
+    def advised(batch: int, seq: int) -> Any:
+        return advise(spec, batch, seq, gpu=gpu, kernels=kernels, **options)
+
+    # asked at the analytic edge, advise searches the largest batch with the traced verdict
+    # where that applies (memplan.edge_verdict)
+    best = advised(1, SEQ).max_batch or 0
+    best = advised(max(best, 1), SEQ).max_batch or 0
     if best >= MIN_BATCH_EDGE:
-        points = [{"batch": best, "seq": SEQ}, {"batch": best + 1, "seq": SEQ}]
+        points = [(best, SEQ), (best + 1, SEQ)]
     else:
         batch = max(best, 1)
-        seq = largest_seq(spec, base.model_copy(update={"batch": batch}), gpu, 1 << 20)
-        points = [{"batch": batch, "seq": seq}, {"batch": batch, "seq": seq + SEQ_STEP}]
+        seq = advised(batch, SEQ).max_seq or SEQ_STEP
+        seq = advised(batch, seq).max_seq or SEQ_STEP
+        points = [(batch, seq), (batch, seq + SEQ_STEP)]
     cases = []
-    for point in points:
-        setup = with_flce_choice(spec, base.model_copy(update=point), gpu)
-        judged = judge(spec, setup, gpu)
-        assert judged.reserved is not None
-        name = case_name(spec.name or model, setup)
+    for batch, seq in points:
+        answer = advised(batch, seq)
+        reserved = answer.estimate.reserved
+        assert reserved is not None
+        setup = answer.setup
         cases.append(
             {
                 "case": VerifyCase(
-                    case=name,
+                    case=case_name(spec.name or model, setup),
                     model=spec.name or model,
                     model_type=spec.model_type,
                     hf_config=spec.hf_config,
@@ -95,10 +96,13 @@ def edge_cases(model: str, kernels: str, options: dict[str, Any], gpu_name: str)
                 ).model_dump(mode="json"),
                 "gpu": gpu.name,
                 "capacity_bytes": gpu.capacity,
-                "allocated_bytes": judged.peak_bytes,
-                "runs": judged.reserved.runs,
-                "reserved_bytes": judged.reserved.reserved_bytes,
-                "oom_at": judged.reserved.oom_label,
+                "allocated_bytes": answer.peak_bytes,
+                "runs": answer.fits,
+                "reserved_bytes": reserved.reserved_bytes,
+                "reserved_method": reserved.method,
+                "oom_at": reserved.oom_label,
+                "advised_max_batch": answer.max_batch,
+                "advised_max_seq": answer.max_seq,
             }
         )
     return cases

@@ -322,17 +322,21 @@ def largest_batch(
 SEQ_STEP = 64
 
 
-def largest_seq(spec: ModelSpec, setup: TrainSetup, gpu: Gpu, ceiling: int) -> int:
+def largest_seq(
+    spec: ModelSpec, setup: TrainSetup, gpu: Gpu, ceiling: int, traced: bool = False
+) -> int:
     """The largest sequence length, a multiple of SEQ_STEP tokens, that fits at this batch and
     these kernels, FLCE's setting chosen as for largest_batch (0 if not even SEQ_STEP tokens;
-    `ceiling` rounded down when that fits)."""
+    `ceiling` rounded down when that fits). `traced`: the replays near the edge are the traced
+    step's where it applies (edge_verdict)."""
 
     def trial(steps: int) -> TrainSetup:
         return lightest_flce(spec, setup.model_copy(update={"seq": steps * SEQ_STEP}))
 
+    analytic = lambda n: runs(spec, trial(n), gpu)  # noqa: E731
     return SEQ_STEP * largest_running(
         lambda n: estimate(spec, trial(n), gpu).peak_bytes <= gpu.capacity,
-        lambda n: runs(spec, trial(n), gpu),
+        edge_verdict.seq_runs(spec, trial, gpu, analytic) if traced else analytic,
         ceiling // SEQ_STEP,
     )
 
@@ -550,7 +554,6 @@ def advise(
         update={"kernels": chosen, "flce_chunk": flce_chunk if "flce" in chosen else None}
     )
     planned = setup
-    max_seq = largest_seq(spec, setup, gpu_spec, max(seq, spec.max_position_embeddings))
     setup = with_flce_choice(spec, setup, gpu_spec)
     result = estimate(spec, setup, gpu_spec)
     result = result.model_copy(update={"reserved": predict_reserved(spec, setup, gpu_spec)})
@@ -561,6 +564,9 @@ def advise(
         and edge_verdict.at_edge(result.peak_bytes, gpu_spec)
     )
     max_batch = largest_batch(spec, planned, gpu_spec, traced=traced_verdict)
+    max_seq = largest_seq(
+        spec, planned, gpu_spec, max(seq, spec.max_position_embeddings), traced=traced_verdict
+    )
     if traced_verdict:
         result = edge_verdict.judged_at_edge(spec, setup, gpu_spec, result)
         if result.reserved is not None and result.reserved.method == "traced":

@@ -72,3 +72,26 @@ def batch_runs(
             return analytic(batch)
 
     return runs
+
+
+def seq_runs(
+    spec: ModelSpec,
+    setup_at: Callable[[int], TrainSetup],
+    gpu: Gpu,
+    analytic: Callable[[int], bool],
+) -> Callable[[int], bool]:
+    """The replay test of the largest-sequence search: a trace of the step at each candidate
+    (`setup_at(n)`; the stream is not affine in the sequence, as it is in the batch) where the
+    trace applies, else `analytic`."""
+    if not applies(spec, setup_at(1)):
+        return analytic
+    from memplan.errors import MemplanError
+    from memplan.traced.verdict import traced_reserved
+
+    def runs(n: int) -> bool:
+        try:
+            return traced_reserved(spec, setup_at(n), gpu).runs
+        except (MemplanError, ValueError):
+            return analytic(n)
+
+    return runs

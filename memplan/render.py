@@ -340,6 +340,12 @@ def _max_batch_line(advice: Advice) -> str | None:
     return "Largest batch that fits with these kernels: none, not even batch 1."
 
 
+def _max_seq_line(advice: Advice) -> str | None:
+    if not advice.max_seq:  # not even SEQ_STEP tokens: the largest batch's line says enough
+        return None
+    return f"Largest sequence that fits at batch {advice.setup.batch}: {advice.max_seq:,} tokens."
+
+
 def legend_lines(advice: Advice, verbose: bool = False) -> list[tuple[str, str]]:
     """(term, meaning) for each term the output uses."""
     setup = advice.setup
@@ -446,9 +452,9 @@ def print_advice(advice: Advice, console: Console | None = None, *, verbose: boo
     console.print(escape(_setup_line(advice)))
     console.print(escape(_kernels_line(advice)))
     console.print(escape(_peak_line(advice)))
-    max_batch = _max_batch_line(advice)
-    if max_batch:
-        console.print(max_batch)
+    for line in (_max_batch_line(advice), _max_seq_line(advice)):
+        if line:
+            console.print(line)
     if verbose:
         console.print(_breakdown_table(advice))
         console.print(_kernels_table(advice))

@@ -183,6 +183,16 @@ def test_largest_batch_at_the_search_ceiling_says_at_least() -> None:
     assert "Largest batch that fits with these kernels: at least 1,048,576" in rendered(advice)
 
 
+def test_largest_sequence_is_printed_and_is_the_edge_of_the_verdict() -> None:
+    args = dict(gpu="h100", kernels="none", method="analytic")
+    advice = advise("llama-3.2-1b", 4, 2048, **args)
+    seq = advice.max_seq
+    assert seq and seq % 64 == 0
+    assert f"Largest sequence that fits at batch 4: {seq:,} tokens." in rendered(advice)
+    assert advise("llama-3.2-1b", 4, seq, **args).fits
+    assert not advise("llama-3.2-1b", 4, seq + 64, **args).fits
+
+
 def test_why_names_the_largest_part_of_the_peak() -> None:
     advice = advise("qwen2.5-0.5b", 16, 4096, kernels="none", gpu="a10g")
     name, nbytes = max(advice.estimate.breakdown.items(), key=lambda kv: kv[1])

@@ -94,3 +94,17 @@ def test_advise_says_when_the_traced_step_gave_the_verdict() -> None:
     assert far.estimate.reserved.method == "analytic"
     asked = advise("llama-3.2-1b", 20, 2048, method="analytic", **args)  # contracts only
     assert asked.estimate.reserved.method == "analytic" and not asked.fits
+
+
+def test_the_largest_sequence_at_the_edge_comes_from_the_traced_step() -> None:
+    """gemma-2-2b with eager attention, batch 2, ran out of memory at 2496 tokens on an H100
+    (benchmarks/results_fit_grid_h100.json); the analytic search advises 2496."""
+    from memplan.advisor import largest_seq, lightest_flce
+
+    m, _ = _fit_grid_case("gemma-2-2b_b2_s2496_bf16_eager_hf")
+    assert m.status == "oom"
+    answer = advise("gemma-2-2b", 2, 2496, gpu="h100", kernels="none", attn="eager")
+    assert not answer.fits and answer.estimate.reserved.method == "traced"
+    assert answer.max_seq == 2432
+    gpu, spec = resolve_gpu("h100"), spec_of(m)
+    assert largest_seq(spec, lightest_flce(spec, m.setup), gpu, 8192) == 2496
