@@ -559,9 +559,7 @@ def advise(
     result = result.model_copy(update={"reserved": predict_reserved(spec, setup, gpu_spec)})
     # the traced step is asked only where the step itself is at the edge: advise stays fast
     traced_verdict = (
-        traced_verdict
-        and method != "analytic"
-        and edge_verdict.at_edge(result.peak_bytes, gpu_spec)
+        traced_verdict and method != "analytic" and edge_verdict.at_edge(result, gpu_spec)
     )
     max_batch = largest_batch(spec, planned, gpu_spec, traced=traced_verdict)
     max_seq = largest_seq(

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from memplan.schema import Gpu, MemoryEstimate, ModelSpec, TrainSetup
 
-# The boundary zone: allocated peaks from this share of the capacity up to the capacity.
+# The boundary zone: from this share of the capacity up to the capacity.
 EDGE_LOW = 0.85
 NOTE = "verdict from the traced step (the analytic peak is at the edge of the capacity)"
 
@@ -20,8 +20,13 @@ def traceable() -> bool:
     return all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
 
 
-def at_edge(peak_bytes: int, gpu: Gpu) -> bool:
-    return EDGE_LOW * gpu.capacity <= peak_bytes <= gpu.capacity
+def at_edge(result: MemoryEstimate, gpu: Gpu) -> bool:
+    """Whether the allocated peak fits and it, or the analytic replay's reserved peak, lies in
+    the boundary zone (fragmentation may decide a step whose allocated peak lies below it)."""
+    if result.peak_bytes > gpu.capacity:
+        return False
+    reserved = result.reserved.reserved_bytes if result.reserved else 0
+    return max(result.peak_bytes, reserved) >= EDGE_LOW * gpu.capacity
 
 
 def applies(spec: ModelSpec, setup: TrainSetup) -> bool:
@@ -39,7 +44,7 @@ def judged_at_edge(
 ) -> MemoryEstimate:
     """`result` with the traced verdict where its allocated peak is at the edge and the trace
     applies; as it was otherwise, or where the trace fails."""
-    if not at_edge(result.peak_bytes, gpu) or not applies(spec, setup):
+    if not at_edge(result, gpu) or not applies(spec, setup):
         return result
     from memplan.errors import MemplanError
     from memplan.traced.verdict import traced_reserved
