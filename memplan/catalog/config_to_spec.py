@@ -583,14 +583,21 @@ def _attention_windows(
 def _layer_types(
     cfg: dict[str, Any], layers: int, rules: ConfigRules | None = None
 ) -> tuple[str, ...]:
+    return _last_layer_made_full(rules, _listed_layer_types(cfg, layers, _LAYER_TYPES))
+
+
+def _listed_layer_types(
+    cfg: dict[str, Any], layers: int, kinds: tuple[str, str]
+) -> tuple[str, ...]:
+    """cfg's layer_types: one entry a layer, each one of `kinds`."""
     types = tuple(_optional_list(cfg, "layer_types"))
-    if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
+    if len(types) != layers or not set(types) <= set(kinds):
         raise _bad_value(
             "layer_types",
             cfg["layer_types"],
-            f'a list of {layers} entries, each "full_attention" or "sliding_attention"',
+            f'a list of {layers} entries, each "{kinds[0]}" or "{kinds[1]}"',
         )
-    return _last_layer_made_full(rules, types)
+    return types
 
 
 def _last_layer_made_full(rules: ConfigRules | None, types: tuple[str, ...]) -> tuple[str, ...]:
@@ -636,13 +643,7 @@ def _gated_deltanet(rules: ConfigRules, cfg: dict[str, Any], layers: int) -> dic
         return {}
     kinds = ("linear_attention", "full_attention")
     if cfg.get("layer_types") is not None:
-        types = tuple(_optional_list(cfg, "layer_types"))
-        if len(types) != layers or not set(types) <= set(kinds):
-            raise _bad_value(
-                "layer_types",
-                cfg["layer_types"],
-                f'a list of {layers} entries, each "linear_attention" or "full_attention"',
-            )
+        types = _listed_layer_types(cfg, layers, kinds)
     else:
         interval = _positive_int(cfg, "full_attention_interval")
         types = tuple(kinds[(i + 1) % interval == 0] for i in range(layers))
