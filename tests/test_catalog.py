@@ -1065,9 +1065,11 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
         router = moe.router if hasattr(moe, "router") else moe.gate
         assert (getattr(router, "bias", None) is not None) == rules.router_bias
         assert hf_config.num_experts_per_tok == spec.num_experts_per_tok
-        shared = getattr(moe, "shared_experts", None)
+        shared = getattr(moe, "shared_experts", getattr(moe, "shared_expert", None))
         width = shared.up_proj.out_features if shared is not None else 0
         assert width == spec.shared_expert_intermediate_size
+        # Qwen3-Next's sigmoid gate on the shared expert's output
+        assert hasattr(moe, "shared_expert_gate") == (rules.shared_expert_width_key is not None)
     if not spec.moe_layer(0):
         assert not hasattr(mlp, "experts")
         if not spec.fused_gate_up:
@@ -1302,3 +1304,34 @@ def test_qwen3_5_with_a_data_parallel_strategy_is_refused():
     spec = ENTRIES["qwen3.5-0.8b"].spec
     with pytest.raises(UsageError, match="one GPU"):
         estimate(spec, TrainSetup(batch=1, seq=256, gpus=2, strategy="fsdp2"))
+
+
+def test_qwen3_5_moe_reads_its_moe_blocks_and_their_shared_expert():
+    """Qwen3.5-35B-A3B (Qwen3_5MoeTextConfig's defaults): every layer a MoE block, the shared
+    expert of its own width with a sigmoid gate, the DeltaNet layers as Qwen3.5's; inside a
+    qwen3_5_moe wrapper the same text model. The MoE block's parameters in registration order
+    (router, experts, the shared expert's gate, up and down, shared_expert_gate) against the
+    built layer's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memplan.estimators.param_tensors import numel, param_shapes
+
+    spec = ENTRIES["qwen3.5-35b-a3b"].spec
+    assert spec.model_type == "qwen3_5_moe_text" and spec.moe_router == "softmax"
+    moe = (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
+    assert moe == (256, 8, 512) and spec.shared_expert_intermediate_size == 512
+    assert all(spec.moe_layer(i) for i in range(40)) and not spec.dense_layers
+    assert spec.linear_attention_layers == tuple(i for i in range(40) if i % 4 != 3)
+    text = RAW["qwen3.5-35b-a3b"]["config"]
+    wrapped = spec_from_config({"model_type": "qwen3_5_moe", "text_config": text})
+    assert wrapped.wrapper_model_type == "qwen3_5_moe"
+    differ = {"name", "wrapper_model_type", "vision_tower_tensors"}  # the tower's defaults
+    assert wrapped.model_dump(exclude=differ) == spec.model_dump(exclude=differ)
+
+    small = {**text, "num_hidden_layers": 1, "layer_types": ["full_attention"], "num_experts": 8}
+    config = AutoConfig.for_model(**small)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config).model.layers[0].mlp
+    shapes = param_shapes(spec_from_config(small)).mlp
+    assert [numel(s) for s in shapes] == [p.numel() for p in built.parameters()]

@@ -228,6 +228,10 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         ("llama4_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
         pytest.param("llama4_text", ("v_proj",), "fp32", "eager", marks=pytest.mark.slow),
         pytest.param("llama4_text", ("k_proj", "o_proj"), "bf16", "eager", marks=pytest.mark.slow),
+        # Qwen3.5-MoE: the DeltaNet layer before the first adapter saves nothing; the frozen
+        # shared expert and its gate keep the product's factors only
+        ("qwen3_5_moe_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        pytest.param("qwen3_5_moe_text", ("o_proj",), "fp32", "eager", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -314,6 +318,16 @@ def test_lora_matches_autograd_on_cpu(
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
         # first layer keeps q and k, unlike HF's RoPE (test_lora_matches_autograd_on_cpu).
         ("llama", ("rope",), "bf16", ("q_proj",)),
+        # Qwen3.5-MoE: the Gemma-cast norms and the shared expert's GLU kernel beside the
+        # DeltaNet, the gated attention and the experts as transformers runs them
+        ("qwen3_5_moe_text", ("rms_norm", "swiglu", "flce"), "bf16", ()),
+        pytest.param(
+            "qwen3_5_moe_text",
+            ("rms_norm", "swiglu", "cross_entropy"),
+            "fp32",
+            (),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_patched_model_matches_autograd_on_cpu(

@@ -23,6 +23,7 @@ from memplan.estimators.params import (
     layer_lora_targets,
     linear_value_dim,
     moe_rules,
+    shared_expert_gated,
 )
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
@@ -267,7 +268,11 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=1 if over_projection else heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
-    if spec.qk_norm and spec.attention_output_gate and p == FP32 and not d.autocast:
+    if spec.qk_norm and spec.attention_output_gate and "rms_norm" in ctx.kernels:
+        # q is a strided slice of the gated q_proj's output: memplan's RMSNorm keeps the
+        # contiguous copy it normalizes
+        out.add("attn.q_norm", p * nh * hd)
+    elif spec.qk_norm and spec.attention_output_gate and p == FP32 and not d.autocast:
         # q is a slice of the gated q_proj's output: q_norm's x.float() keeps all of it
         out.add("attn.q_norm", FP32 * nh * hd)
     if spec.v_norm:
@@ -672,6 +677,12 @@ def mlp_saved(ctx: LayerContext, out: Saved) -> None:
         moe_saved(ctx, out)
         if ctx.spec.shared_expert_intermediate_size:
             gated_mlp_saved(ctx, out, "mlp.shared", ctx.spec.shared_expert_intermediate_size)
+        if shared_expert_gated(ctx.spec):
+            # sigmoid(shared_expert_gate(x)) * shared: the product keeps both factors, the
+            # sigmoid's output (one per token, which its own backward reuses) and the shared
+            # expert's output
+            p = ctx.dtypes.proj
+            out.add_each(SHARED_EXPERT_GATE, p, p * ctx.spec.hidden_size)
         return
     gated_mlp_saved(ctx, out, "mlp", ctx.spec.intermediate_size)
 
@@ -929,6 +940,8 @@ def scores_attention_backward(
 
 # The entries of layer_saved of Llama 4's shared expert, which runs after the experts.
 SHARED_EXPERT = "mlp.shared"
+# Qwen3-Next's product of the shared expert's output with its sigmoid gate.
+SHARED_EXPERT_GATE = "mlp.shared_gate"
 
 
 def every_expert_moe_peaks(ctx: LayerContext, grad: bool) -> list[list[float]]:
@@ -984,9 +997,10 @@ def layer_saved(ctx: LayerContext) -> Saved:
         qkv_consumers = 2
     mlp_consumers = 1 if spec.fused_gate_up else 2
     if ctx.moe:
-        # the router (unless it keeps an fp32 copy of its own) and the shared experts' gate and
-        # up; the experts gather their rows from the input
+        # the router (unless it keeps an fp32 copy of its own), the shared experts' gate and
+        # up and their output's gate linear; the experts gather their rows from the input
         shared = 2 if spec.shared_expert_intermediate_size else 0
+        shared += shared_expert_gated(spec)
         mlp_consumers = shared + (0 if router_copies_input(ctx) else 1)
     if ctx.setup.lora_rank:
         # Frozen base linears save no input; peft's adapters save their own fp32 cast of it.
@@ -1240,7 +1254,9 @@ def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0, moe: bool = F
     elif moe:
         shared = spec.shared_expert_intermediate_size
         router = FAMILIES[spec.model_type].config.moe
-        if router is not None and router.router == "sigmoid_fp32":
+        if shared_expert_gated(spec):  # the shared expert first, its output's gate last
+            gate_up = [h * shared] * 2 + [h * spec.num_experts, h]
+        elif router is not None and router.router == "sigmoid_fp32":
             gate_up = [h * spec.num_experts] + [h * shared] * 2 * bool(shared)
         else:
             gate_up = [h * spec.num_experts]

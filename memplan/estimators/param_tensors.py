@@ -15,6 +15,7 @@ from memplan.estimators.params import (
     linear_value_dim,
     moe_rules,
     qk_norm_widths,
+    shared_expert_gated,
 )
 from memplan.schema import ModelSpec
 
@@ -192,11 +193,15 @@ def dense_mlp_shapes(spec: ModelSpec, inter: int, bias: bool | None = None) -> l
 def moe_shapes(spec: ModelSpec) -> list[Shape]:
     """A MoE block: transformers 5 keeps the experts as 3-D parameters, (experts, 2 x moe, h)
     and (experts, h, moe), beside the (experts, h) router (and its bias, gpt-oss): registered
-    first (Mixtral, Qwen3, gpt-oss), or after the experts and before the shared experts' MLP
+    first (Mixtral, Qwen3, gpt-oss; Qwen3-Next's then its shared expert and the (1, h)
+    shared_expert_gate), or after the experts and before the shared experts' MLP
     (DeepSeek-style, Llama 4: EXPERTS_FIRST)."""
     e, h = spec.num_experts, spec.hidden_size
     rules = moe_rules(spec)
     router: list[Shape] = [(e, h)] + ([(e, 1)] if rules.router_bias else [])
+    if shared_expert_gated(spec):
+        shared = dense_mlp_shapes(spec, spec.shared_expert_intermediate_size, False)
+        return router + expert_shapes(spec) + shared + [(1, h)]
     if rules.router not in EXPERTS_FIRST:
         return router + expert_shapes(spec)
     shared = dense_mlp_shapes(spec, spec.shared_expert_intermediate_size, False)

@@ -53,6 +53,7 @@ def layer_linear_params(layer: ModelSpec, index: int) -> int:
         mlp = h * layer.num_experts + layer.num_experts * 3 * h * layer.moe_intermediate_size
         mlp += layer.num_experts * sum(moe_bias_widths(layer))
         mlp += 3 * h * layer.shared_expert_intermediate_size
+        mlp += h if shared_expert_gated(layer) else 0
     else:
         inter = layer.intermediate_size
         mlp = 3 * h * inter + (2 * inter + h if layer.mlp_bias else 0)
@@ -112,6 +113,12 @@ def moe_rules(spec: ModelSpec) -> MoeRules:
     rules = FAMILIES[spec.model_type].config.moe
     assert rules is not None, f"{spec.model_type} has no MoE rules"
     return rules
+
+
+def shared_expert_gated(spec: ModelSpec) -> bool:
+    """Whether the shared expert's output is multiplied by sigmoid(shared_expert_gate(x)), a
+    Linear(hidden, 1) (Qwen3-Next, Qwen3.5-MoE)."""
+    return spec.num_experts > 0 and moe_rules(spec).shared_expert_width_key is not None
 
 
 def moe_bias_widths(spec: ModelSpec) -> tuple[int, ...]:

@@ -25,6 +25,9 @@ class MoeRules:
         (DeepSeek-style first_k_dense_replace), read as ModelSpec.dense_layers.
     shared_experts_key: the config key giving how many shared experts (one gated MLP of
         expert width x that many) each MoE layer runs beside the routed ones.
+    shared_expert_width_key: the config key giving the width of the one shared expert each MoE
+        layer runs before the routed ones (Qwen3-Next, Qwen3.5-MoE), whose output is multiplied
+        by sigmoid(shared_expert_gate(x)), a Linear(hidden, 1) registered after it.
     router: "softmax": the router's linear in the input's dtype, a softmax of all its logits
         in fp32, then the top k; "topk_softmax" (gpt-oss): the linear in the input's dtype, the
         top k of its logits, a softmax of those k in the logits' dtype; "sigmoid_fp32"
@@ -47,6 +50,7 @@ class MoeRules:
     dense_layers_key: str | None = None
     first_dense_key: str | None = None
     shared_experts_key: str | None = None
+    shared_expert_width_key: str | None = None
     router: Literal["softmax", "topk_softmax", "sigmoid_fp32", "sigmoid_every_expert"] = "softmax"
     router_bias: bool = False
     expert_biases: bool = False

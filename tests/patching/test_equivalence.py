@@ -222,6 +222,29 @@ def test_deepseek_v3_patches_its_norms_and_glus_and_keeps_its_latent_attention(
     assert not calls
 
 
+def test_qwen3_5_moe_patches_its_norms_and_shared_expert_and_keeps_its_experts(monkeypatch):
+    """Qwen3.5-MoE: memplan's RMSNorm on the decoder norms and the full attention's q/k norms
+    (not the DeltaNet's gated norm), SwiGLU in each MoE block's shared expert; the DeltaNet, the
+    gated attention with its RoPE, the router, the experts and the shared expert's sigmoid gate
+    as transformers runs them; the model trains as HF's does."""
+    calls = rope_calls(monkeypatch)
+    reference, patched = pair("qwen3_5_moe_text")
+    layers = reference.model.layers
+    assert [hasattr(layer, "linear_attn") for layer in layers] == [True, False]
+    assert all(hasattr(layer.mlp, "shared_expert_gate") for layer in layers)
+    applied = mp.apply(patched)
+    assert "rope" not in applied.kernels
+    assert {"rms_norm", "swiglu", "flce"} <= set(applied.kernels)
+    assert set(applied.modules["swiglu"]) == {
+        "model.layers.0.mlp.shared_expert",
+        "model.layers.1.mlp.shared_expert",
+    }
+    assert not [name for name in applied.modules["rms_norm"] if "linear_attn" in name]
+    assert "model.layers.1.self_attn.q_norm" in applied.modules["rms_norm"]
+    lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
+    assert not calls
+
+
 def sink_calls(monkeypatch) -> list[int | None]:
     """The windows memplan's sink attention is called with, as the patch loads it."""
     import memplan.kernels.sink_attention as module
