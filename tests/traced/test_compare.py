@@ -73,6 +73,8 @@ VARIANTS = {
     "llama4_text": {"precision": "amp-bf16"},
     # the gated DeltaNet layer before the first adapter (attention only) saves nothing
     "qwen3_5_text": {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    # the shared expert's gate linear and its weight copied under autocast
+    "qwen3_5_moe_text": {"precision": "amp-bf16"},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
@@ -187,6 +189,25 @@ EXTRA_VARIANTS = [
     ("seed_oss", {}, {"attn": "eager"}),
     ("seed_oss", {}, {"attn": "eager", "lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
     ("gemma3_text", {}, {"attn": "eager", "precision": "fp32"}),
+    # qwen3_5_moe_text: eager attention, fp32, checkpointed layers (the MoE block recomputed
+    # beside the DeltaNet), LoRA on q and v (the frozen shared expert and its gate)
+    ("qwen3_5_moe_text", {}, {"attn": "eager"}),
+    ("qwen3_5_moe_text", {}, {"precision": "fp32"}),
+    ("qwen3_5_moe_text", {}, {"grad_checkpointing": True}),
+    ("qwen3_5_moe_text", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
+]
+
+
+# Setups whose contracts are known to disagree with the traced step by more than 1%, kept so
+# that the gap stays measured (benchmarks/contract_gaps.py) until the contracts close it.
+KNOWN_GAPS = [
+    # the checkpointed DeltaNet layer's backward, not the MoE block's, is the peak: its
+    # temporaries are estimated (deltanet.deltanet_backward_transient), not read off autograd
+    (
+        "qwen3_5_moe_text",
+        {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
 ]
 
 
@@ -212,6 +233,10 @@ def cases() -> list:
     for index, (family, overrides, options) in enumerate(EXTRA_VARIANTS):
         case_id = f"{family}-extra{index}"
         out.append(pytest.param(family, overrides, options, id=case_id, marks=pytest.mark.slow))
+    for index, (family, overrides, options) in enumerate(KNOWN_GAPS):
+        gap = pytest.mark.xfail(reason="a known gap (KNOWN_GAPS)", strict=True)
+        marks = [pytest.mark.slow, gap]
+        out.append(pytest.param(family, overrides, options, id=f"{family}-gap{index}", marks=marks))
     return out
 
 
