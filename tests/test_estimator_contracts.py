@@ -228,10 +228,17 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         ("llama4_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
         pytest.param("llama4_text", ("v_proj",), "fp32", "eager", marks=pytest.mark.slow),
         pytest.param("llama4_text", ("k_proj", "o_proj"), "bf16", "eager", marks=pytest.mark.slow),
+        # Qwen3.5: where q_proj's output needs no gradient, the product with the output gate
+        # keeps neither the attention output nor its copy, and o_proj's adapter the product
+        ("qwen3_5_text", ("k_proj", "o_proj"), "fp32", "eager"),
+        pytest.param("qwen3_5_text", ("v_proj",), "bf16", "sdpa", marks=pytest.mark.slow),
         # Qwen3.5-MoE: the DeltaNet layer before the first adapter saves nothing; the frozen
         # shared expert and its gate keep the product's factors only
         ("qwen3_5_moe_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
         pytest.param("qwen3_5_moe_text", ("o_proj",), "fp32", "eager", marks=pytest.mark.slow),
+        pytest.param(
+            "qwen3_5_moe_text", ("k_proj", "o_proj"), "fp32", "sdpa", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_lora_matches_autograd_on_cpu(

@@ -268,11 +268,14 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=1 if over_projection else heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
-    if spec.qk_norm and spec.attention_output_gate and "rms_norm" in ctx.kernels:
+    # q_proj's output, the gated q and the gate, needs a gradient
+    q_grad = ctx.needs_input_grad or ctx.adapted("q_proj", "qkv_proj")
+    gated_q_norm = spec.qk_norm and spec.attention_output_gate and q_grad
+    if gated_q_norm and "rms_norm" in ctx.kernels:
         # q is a strided slice of the gated q_proj's output: memplan's RMSNorm keeps the
         # contiguous copy it normalizes
         out.add("attn.q_norm", p * nh * hd)
-    elif spec.qk_norm and spec.attention_output_gate and p == FP32 and not d.autocast:
+    elif gated_q_norm and p == FP32 and not d.autocast:
         # q is a slice of the gated q_proj's output: q_norm's x.float() keeps all of it
         out.add("attn.q_norm", FP32 * nh * hd)
     if spec.v_norm:
@@ -328,7 +331,10 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
             out.add("attn.dropout", dropout_saved_bytes(ctx, p_scores) * nh * seq)
         if ctx.setup.attn == "eager" and spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
-        if o_input_kept(ctx) or spec.attention_output_gate:
+        # kept by o_proj, or where there is an output gate, by the product with it where the
+        # gate needs a gradient (o_proj keeps the product: output_gate_saved)
+        gate = spec.attention_output_gate
+        if (o_input_kept(ctx) and not gate) or (gate and q_grad):
             out.add("attn.out", p * nh * hd)
         output_gate_saved(ctx, out)
         return
@@ -358,7 +364,8 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         ctx.queries_heads_major and attention_output_follows_query(ctx, path)
     )
     if copied and spec.attention_output_gate:
-        out.add("attn.gate.in", p * nh * hd)  # kept by the product with the gate
+        # kept by the product with the gate where the gate needs a gradient
+        out.add("attn.gate.in", p * nh * hd * q_grad)
     elif copied and o_input_kept(ctx):
         out.add("attn.o_proj_in", p * nh * hd)
     output_gate_saved(ctx, out)
