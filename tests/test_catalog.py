@@ -1326,6 +1326,10 @@ def test_qwen3_5_moe_reads_its_moe_blocks_and_their_shared_expert():
     text = RAW["qwen3.5-35b-a3b"]["config"]
     wrapped = spec_from_config({"model_type": "qwen3_5_moe", "text_config": text})
     assert wrapped.wrapper_model_type == "qwen3_5_moe"
+    # no dense intermediate_size in the config: the experts' width is the one the note wants
+    from memplan.catalog.config_notes import config_notes
+
+    assert config_notes(text, spec) == []
     differ = {"name", "wrapper_model_type", "vision_tower_tensors"}  # the tower's defaults
     assert wrapped.model_dump(exclude=differ) == spec.model_dump(exclude=differ)
 
