@@ -1339,3 +1339,35 @@ def test_qwen3_5_moe_reads_its_moe_blocks_and_their_shared_expert():
         built = AutoModelForCausalLM.from_config(config).model.layers[0].mlp
     shapes = param_shapes(spec_from_config(small)).mlp
     assert [numel(s) for s in shapes] == [p.numel() for p in built.parameters()]
+
+
+def test_qwen3_next_reads_its_fused_deltanet_and_moe_blocks():
+    """Qwen3-Next-80B-A3B (Qwen3NextConfig's defaults): the gated DeltaNet with in_proj_qkvz and
+    in_proj_ba, MoE blocks with a gated shared expert, cos/sin for one batch row; a DeltaNet
+    layer's and a full attention layer's parameters in registration order against the built
+    ones; dense layers (mlp_only_layers, decoder_sparse_step) refused."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memplan.estimators.param_tensors import numel, param_shapes
+
+    spec = ENTRIES["qwen3-next-80b-a3b-instruct"].spec
+    assert spec.model_type == "qwen3_next" and not spec.rope_per_batch_row
+    moe = (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
+    assert moe == (512, 10, 512) and spec.shared_expert_intermediate_size == 512
+    assert spec.linear_attention_layers == tuple(i for i in range(48) if i % 4 != 3)
+    assert spec.attention_output_gate and spec.rotary_dim == 64
+
+    text = RAW["qwen3-next-80b-a3b-instruct"]["config"]
+    for kinds in (["linear_attention"], ["full_attention"]):
+        small = {**text, "num_hidden_layers": 1, "layer_types": kinds, "num_experts": 16}
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small))
+        layer = built.model.layers[0]
+        shapes = param_shapes(spec_from_config(small).layer(0))
+        mixer = layer.linear_attn if kinds == ["linear_attention"] else layer.self_attn
+        assert [numel(s) for s in shapes.attention] == [p.numel() for p in mixer.parameters()]
+        assert [numel(s) for s in shapes.mlp] == [p.numel() for p in layer.mlp.parameters()]
+    for dense in ({"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}):
+        with pytest.raises(MemplanError, match="dense layers"):
+            spec_from_config({**text, **dense})

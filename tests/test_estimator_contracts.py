@@ -239,6 +239,9 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         pytest.param(
             "qwen3_5_moe_text", ("k_proj", "o_proj"), "fp32", "sdpa", marks=pytest.mark.slow
         ),
+        # Qwen3-Next: as Qwen3.5-MoE, its DeltaNet's projections fused
+        ("qwen3_next", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        pytest.param("qwen3_next", ("k_proj", "o_proj"), "fp32", "eager", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -330,6 +333,14 @@ def test_lora_matches_autograd_on_cpu(
         ("qwen3_5_moe_text", ("rms_norm", "swiglu", "flce"), "bf16", ()),
         pytest.param(
             "qwen3_5_moe_text",
+            ("rms_norm", "swiglu", "cross_entropy"),
+            "fp32",
+            (),
+            marks=pytest.mark.slow,
+        ),
+        ("qwen3_next", ("rms_norm", "swiglu", "flce"), "bf16", ()),
+        pytest.param(
+            "qwen3_next",
             ("rms_norm", "swiglu", "cross_entropy"),
             "fp32",
             (),

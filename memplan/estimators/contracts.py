@@ -1012,8 +1012,8 @@ def layer_saved(ctx: LayerContext) -> Saved:
     if ctx.setup.lora_rank:
         # Frozen base linears save no input; peft's adapters save their own fp32 cast of it.
         qkv_consumers = mlp_consumers = 0
-    if spec.deltanet:  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-        qkv_consumers = 0 if ctx.setup.lora_rank else 4
+    if spec.deltanet:  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (or qkvz and ba)
+        qkv_consumers = 0 if ctx.setup.lora_rank else len(deltanet_projection_widths(spec))
     p_res = d.residual
     post_norms = spec.sandwich_norm or spec.post_norm
     if spec.post_norm:  # q, k and v read the residual stream itself

@@ -11,6 +11,7 @@ from memplan.estimators.params import (
     deltanet_conv_dim,
     deltanet_other_widths,
     deltanet_projection_widths,
+    fused_deltanet,
     latent_attention_tensors,
     linear_value_dim,
     moe_rules,
@@ -154,14 +155,18 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
 
 
 def deltanet_shapes(spec: ModelSpec) -> list[Shape]:
-    """Qwen3.5's gated DeltaNet in parameters() order: its own dt_bias and A_log, then its
-    submodules' (the depthwise conv's weight, the gated norm's weight, out_proj, in_proj_qkv,
-    in_proj_z, in_proj_b, in_proj_a)."""
+    """The gated DeltaNet in parameters() order: its own dt_bias and A_log, then its
+    submodules' (Qwen3.5: the depthwise conv's weight, the gated norm's weight, out_proj,
+    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next: the conv's weight, in_proj_qkvz,
+    in_proj_ba, the gated norm's weight, out_proj)."""
     _, dt_bias, a_log, norm = deltanet_other_widths(spec)
     h = spec.hidden_size
     inputs = [(width, h) for width in deltanet_projection_widths(spec)]
     conv = (deltanet_conv_dim(spec), spec.linear_conv_kernel_dim)
-    return [(dt_bias, 1), (a_log, 1), conv, (norm, 1), (h, linear_value_dim(spec)), *inputs]
+    out = (h, linear_value_dim(spec))
+    if fused_deltanet(spec):
+        return [(dt_bias, 1), (a_log, 1), conv, *inputs, (norm, 1), out]
+    return [(dt_bias, 1), (a_log, 1), conv, (norm, 1), out, *inputs]
 
 
 # The routers (MoeRules.router) of MoE blocks that register their experts first, then the

@@ -81,10 +81,18 @@ def deltanet_conv_dim(layer: ModelSpec) -> int:
     return 2 * layer.linear_num_key_heads * layer.linear_key_head_dim + linear_value_dim(layer)
 
 
+def fused_deltanet(layer: ModelSpec) -> bool:
+    """Whether the gated DeltaNet projects q, k, v and z in one linear, b and a in another
+    (Qwen3-Next's in_proj_qkvz and in_proj_ba)."""
+    return FAMILIES[layer.model_type].config.fused_deltanet_projections
+
+
 def deltanet_projection_widths(layer: ModelSpec) -> tuple[int, ...]:
-    """Output widths of Qwen3.5's input projections, in registration order: in_proj_qkv,
-    in_proj_z, in_proj_b, in_proj_a."""
+    """Output widths of the input projections, in registration order: Qwen3.5's in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a; Qwen3-Next's in_proj_qkvz, in_proj_ba."""
     nv = layer.linear_num_value_heads
+    if fused_deltanet(layer):
+        return deltanet_conv_dim(layer) + linear_value_dim(layer), 2 * nv
     return deltanet_conv_dim(layer), linear_value_dim(layer), nv, nv
 
 

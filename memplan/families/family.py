@@ -132,6 +132,9 @@ class ConfigRules:
         full_attention_interval-th layer is full attention, the others linear): Qwen3.5's gated
         DeltaNet, q/k/v through a causal depthwise conv, the gated delta rule in chunks of 64
         (transformers' torch fallback), a gated RMSNorm before out_proj.
+    fused_deltanet_projections: the gated DeltaNet's input projections are two, in_proj_qkvz
+        and in_proj_ba, registered after the conv (Qwen3-Next), not in_proj_qkv, in_proj_z,
+        in_proj_b and in_proj_a registered last (Qwen3.5).
     attention_output_gate: the full attention's q_proj is twice as wide; the second half's
         sigmoid multiplies the attention output before o_proj (Qwen3.5, Qwen3-Next).
     rope_per_batch_row: the rotary embedding builds cos/sin for every batch row (Qwen3.5's
@@ -171,6 +174,7 @@ class ConfigRules:
     llama4_attention: bool = False
     latent_attention: bool = False
     gated_deltanet: bool = False
+    fused_deltanet_projections: bool = False
     attention_output_gate: bool = False
     rope_per_batch_row: bool = False
     moe: MoeRules | None = None

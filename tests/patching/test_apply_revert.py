@@ -58,6 +58,7 @@ def step_outputs(model: nn.Module) -> list[torch.Tensor]:
                 "gemma4_text",
                 "llama4_text",
                 "qwen3_5_moe_text",
+                "qwen3_next",
             )
         ),
     ],

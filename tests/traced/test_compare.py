@@ -75,6 +75,8 @@ VARIANTS = {
     "qwen3_5_text": {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
     # the shared expert's gate linear and its weight copied under autocast
     "qwen3_5_moe_text": {"precision": "amp-bf16"},
+    # the DeltaNet's fused projections and the MoE block recomputed
+    "qwen3_next": {"grad_checkpointing": True},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
@@ -195,6 +197,13 @@ EXTRA_VARIANTS = [
     ("qwen3_5_moe_text", {}, {"precision": "fp32"}),
     ("qwen3_5_moe_text", {}, {"grad_checkpointing": True}),
     ("qwen3_5_moe_text", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
+    # qwen3_next: eager, fp32 (and with as many key as value heads: z a view of in_proj_qkvz's
+    # output), autocast, LoRA on q and v
+    ("qwen3_next", {}, {"attn": "eager"}),
+    ("qwen3_next", {}, {"precision": "fp32"}),
+    ("qwen3_next", {"linear_num_value_heads": 4}, {"precision": "fp32"}),
+    ("qwen3_next", {}, {"precision": "amp-bf16"}),
+    ("qwen3_next", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
 ]
 
 
@@ -205,6 +214,11 @@ KNOWN_GAPS = [
     # temporaries are estimated (deltanet.deltanet_backward_transient), not read off autograd
     (
         "qwen3_5_moe_text",
+        {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+    (
+        "qwen3_next",
         {},
         {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
     ),
