@@ -723,3 +723,17 @@ def test_one_kv_head_matches_autograd_on_cpu(model_type, precision, attn, saved_
     )  # fmt: skip
     spec = spec_from_config(cfg.to_dict())
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_next"])
+def test_norm_topk_prob_false_is_read_as_each_router_reads_it(model_type, saved_storage_bytes):
+    """Qwen3-Next's router skips the top-k renormalization where norm_topk_prob is false;
+    Qwen3.5-MoE's renormalizes whatever the config says."""
+    overrides = {**family_overrides(model_type), "norm_topk_prob": False}
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    measured = saved_bytes_of(saved_storage_bytes, model.train(), cfg.vocab_size, autocast=False)
+    spec = spec_from_config(cfg.to_dict())
+    setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], transformers=INSTALLED)
+    assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured

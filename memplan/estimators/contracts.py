@@ -765,7 +765,9 @@ def moe_router_saved(ctx: LayerContext, out: Saved) -> int:
     spec, d = ctx.spec, ctx.dtypes
     e, k, h = spec.num_experts, spec.num_experts_per_tok, spec.hidden_size
     router = moe_rules(spec)
-    normalized = spec.hf_config.get("norm_topk_prob", router.normalizes_by_default)
+    normalized = router.normalizes_by_default
+    if router.reads_norm_topk_prob:
+        normalized = spec.hf_config.get("norm_topk_prob", normalized)
     if router.router == "topk_softmax":
         out.add_each("moe.router", INT64 * k, d.proj * k)
     if router.router == "softmax":

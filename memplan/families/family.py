@@ -18,8 +18,9 @@ class MoeRules:
         num_experts and of n_routed_experts; num_experts is num_local_experts').
     expert_width_key: each expert's intermediate size.
     normalizes_by_default: whether the top-k weights are renormalized when the config has no
-        norm_topk_prob. fp32_routing_weights: whether each routed row keeps its weight in fp32
-        (the router softmax's dtype) rather than the router logits' dtype.
+        norm_topk_prob (reads_norm_topk_prob False: whatever it says, as Qwen3.5-MoE's router).
+        fp32_routing_weights: whether each routed row keeps its weight in fp32 (the router
+        softmax's dtype) rather than the router logits' dtype.
     dense_layers_key: a key whose non-default value makes some layers dense (unsupported).
     first_dense_key: the config key giving how many leading layers have a dense MLP
         (DeepSeek-style first_k_dense_replace), read as ModelSpec.dense_layers.
@@ -51,6 +52,7 @@ class MoeRules:
     first_dense_key: str | None = None
     shared_experts_key: str | None = None
     shared_expert_width_key: str | None = None
+    reads_norm_topk_prob: bool = True
     router: Literal["softmax", "topk_softmax", "sigmoid_fp32", "sigmoid_every_expert"] = "softmax"
     router_bias: bool = False
     expert_biases: bool = False

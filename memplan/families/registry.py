@@ -922,6 +922,7 @@ FAMILIES: dict[str, Family] = {
                     normalizes_by_default=True,
                     fp32_routing_weights=False,
                     shared_expert_width_key="shared_expert_intermediate_size",
+                    reads_norm_topk_prob=False,
                 ),
             ),
             patch=PatchSpec(
