@@ -204,14 +204,21 @@ EXTRA_VARIANTS = [
     ("qwen3_next", {"linear_num_value_heads": 4}, {"precision": "fp32"}),
     ("qwen3_next", {}, {"precision": "amp-bf16"}),
     ("qwen3_next", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
+    # checkpointed LoRA on q and v with both layers full attention (KNOWN_GAPS: with a DeltaNet)
+    (
+        "qwen3_5_moe_text",
+        {"layer_types": ["full_attention", "full_attention"]},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
 ]
 
 
 # Setups whose contracts are known to disagree with the traced step by more than 1%, kept so
 # that the gap stays measured (benchmarks/contract_gaps.py) until the contracts close it.
 KNOWN_GAPS = [
-    # the checkpointed DeltaNet layer's backward, not the MoE block's, is the peak: its
-    # temporaries are estimated (deltanet.deltanet_backward_transient), not read off autograd
+    # checkpointed LoRA: the peak, in a recomputed DeltaNet layer's backward beside a MoE block,
+    # is above the contracts by the same bytes whatever the DeltaNet's head dims (and not where
+    # every layer is full attention: EXTRA_VARIANTS); not yet traced op by op
     (
         "qwen3_5_moe_text",
         {},
@@ -220,6 +227,11 @@ KNOWN_GAPS = [
     (
         "qwen3_next",
         {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+    (
+        "qwen3_5_moe_text",
+        {"linear_key_head_dim": 48, "linear_value_head_dim": 48},
         {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
     ),
 ]
