@@ -268,7 +268,7 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=1 if over_projection else heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
-    # q_proj's output, the gated q and the gate, needs a gradient
+    # whether q_proj's output (the gated q and the output gate) needs a gradient
     q_grad = ctx.needs_input_grad or ctx.adapted("q_proj", "qkv_proj")
     gated_q_norm = spec.qk_norm and spec.attention_output_gate and q_grad
     if gated_q_norm and "rms_norm" in ctx.kernels:
