@@ -5,8 +5,8 @@ measurements, as one labelled section of a results file.
     python benchmarks/contract_gaps.py --label after [--only REGEX] [--jobs 2]
 
 1. Every registry family (hidden 512, 2 layers, batch 4 x 1024) in bf16, eager bf16, fp32 and
-   fp32 eager, and every variant test_compare.py runs (its VARIANTS and EXTRA_VARIANTS): the
-   peak and each phase's peak of both estimates.
+   fp32 eager, and every variant test_compare.py runs (its VARIANTS, EXTRA_VARIANTS and
+   KNOWN_GAPS): the peak and each phase's peak of both estimates.
 2. tests/data/measurements_h200.json predicted again by the analytic estimator: each case's
    steady-peak error.
 
@@ -41,7 +41,7 @@ SWEEP = {
 def cases() -> list[tuple[str, str, dict, dict]]:
     """(case id, family, config overrides, setup options)."""
     from tests.patching import tiny_models
-    from tests.traced.test_compare import EXTRA_VARIANTS, VARIANTS
+    from tests.traced.test_compare import EXTRA_VARIANTS, KNOWN_GAPS, VARIANTS
 
     out = []
     for family in tiny_models.FAMILIES:
@@ -50,6 +50,8 @@ def cases() -> list[tuple[str, str, dict, dict]]:
         out.append((f"{family} variant", family, {}, options))
     for index, (family, overrides, options) in enumerate(EXTRA_VARIANTS):
         out.append((f"{family} extra{index}", family, overrides, options))
+    for index, (family, overrides, options) in enumerate(KNOWN_GAPS):
+        out.append((f"{family} gap{index}", family, overrides, options))
     return out
 
 

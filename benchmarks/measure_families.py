@@ -59,6 +59,14 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
     # every layer: 18 gated DeltaNet layers (transformers' torch fallback) and 6 gated full
     # attention ones; under LoRA (q, v) the DeltaNet layers before the first adapter save nothing
     ("qwen3.5-0.8b", None, 4, LORA),
+    # three gated DeltaNet layers and a gated full attention one, each with a MoE block of 256
+    # experts of 512 beside a shared expert and its sigmoid gate; under LoRA (q, v) the
+    # DeltaNet layers before the first adapter save nothing
+    ("qwen3.5-35b-a3b", 4, 3, LORA),
+    # three gated DeltaNet layers with fused projections, each with a MoE block of 512 experts
+    # of 512 beside a gated shared expert (the fourth layer, the first full attention one, takes
+    # full fine-tuning's weights, gradients and AdamW states to 67 GiB: left out)
+    ("qwen3-next-80b-a3b-instruct", 3, 4, CHECKPOINTING),
 ]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from memplan import edge_verdict
 from memplan.catalog import (
     SUPPORTED_MODEL_TYPES,
+    catalog_note,
     gpu_notes,
     model_config,
     parse_memory,
@@ -479,6 +480,8 @@ def advise(
     spec, notes = resolve_model_input(
         model if isinstance(model, ModelSpec) else config, trust_remote_code=trust_remote_code
     )
+    if isinstance(model, str):  # a catalog entry not written from its checkpoint says so
+        notes = notes + catalog_note(name)
     if name and spec.name is None:
         spec = spec.model_copy(update={"name": name})
     check_spec(spec)

@@ -1065,9 +1065,11 @@ def test_entry_matches_the_model_transformers_builds(key, meta_models):
         router = moe.router if hasattr(moe, "router") else moe.gate
         assert (getattr(router, "bias", None) is not None) == rules.router_bias
         assert hf_config.num_experts_per_tok == spec.num_experts_per_tok
-        shared = getattr(moe, "shared_experts", None)
+        shared = getattr(moe, "shared_experts", getattr(moe, "shared_expert", None))
         width = shared.up_proj.out_features if shared is not None else 0
         assert width == spec.shared_expert_intermediate_size
+        # Qwen3-Next's sigmoid gate on the shared expert's output
+        assert hasattr(moe, "shared_expert_gate") == (rules.shared_expert_width_key is not None)
     if not spec.moe_layer(0):
         assert not hasattr(mlp, "experts")
         if not spec.fused_gate_up:
@@ -1302,3 +1304,70 @@ def test_qwen3_5_with_a_data_parallel_strategy_is_refused():
     spec = ENTRIES["qwen3.5-0.8b"].spec
     with pytest.raises(UsageError, match="one GPU"):
         estimate(spec, TrainSetup(batch=1, seq=256, gpus=2, strategy="fsdp2"))
+
+
+def test_qwen3_5_moe_reads_its_moe_blocks_and_their_shared_expert():
+    """Qwen3.5-35B-A3B (Qwen3_5MoeTextConfig's defaults): every layer a MoE block, the shared
+    expert of its own width with a sigmoid gate, the DeltaNet layers as Qwen3.5's; inside a
+    qwen3_5_moe wrapper the same text model. The MoE block's parameters in registration order
+    (router, experts, the shared expert's gate, up and down, shared_expert_gate) against the
+    built layer's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memplan.estimators.param_tensors import numel, param_shapes
+
+    spec = ENTRIES["qwen3.5-35b-a3b"].spec
+    assert spec.model_type == "qwen3_5_moe_text" and spec.moe_router == "softmax"
+    moe = (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
+    assert moe == (256, 8, 512) and spec.shared_expert_intermediate_size == 512
+    assert all(spec.moe_layer(i) for i in range(40)) and not spec.dense_layers
+    assert spec.linear_attention_layers == tuple(i for i in range(40) if i % 4 != 3)
+    text = RAW["qwen3.5-35b-a3b"]["config"]
+    wrapped = spec_from_config({"model_type": "qwen3_5_moe", "text_config": text})
+    assert wrapped.wrapper_model_type == "qwen3_5_moe"
+    # no dense intermediate_size in the config: the experts' width is the one the note wants
+    from memplan.catalog.config_notes import config_notes
+
+    assert config_notes(text, spec) == []
+    differ = {"name", "wrapper_model_type", "vision_tower_tensors"}  # the tower's defaults
+    assert wrapped.model_dump(exclude=differ) == spec.model_dump(exclude=differ)
+
+    small = {**text, "num_hidden_layers": 1, "layer_types": ["full_attention"], "num_experts": 8}
+    config = AutoConfig.for_model(**small)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config).model.layers[0].mlp
+    shapes = param_shapes(spec_from_config(small)).mlp
+    assert [numel(s) for s in shapes] == [p.numel() for p in built.parameters()]
+
+
+def test_qwen3_next_reads_its_fused_deltanet_and_moe_blocks():
+    """Qwen3-Next-80B-A3B (Qwen3NextConfig's defaults): the gated DeltaNet with in_proj_qkvz and
+    in_proj_ba, MoE blocks with a gated shared expert, cos/sin for one batch row; a DeltaNet
+    layer's and a full attention layer's parameters in registration order against the built
+    ones; dense layers (mlp_only_layers, decoder_sparse_step) refused."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memplan.estimators.param_tensors import numel, param_shapes
+
+    spec = ENTRIES["qwen3-next-80b-a3b-instruct"].spec
+    assert spec.model_type == "qwen3_next" and not spec.rope_per_batch_row
+    moe = (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
+    assert moe == (512, 10, 512) and spec.shared_expert_intermediate_size == 512
+    assert spec.linear_attention_layers == tuple(i for i in range(48) if i % 4 != 3)
+    assert spec.attention_output_gate and spec.rotary_dim == 64
+
+    text = RAW["qwen3-next-80b-a3b-instruct"]["config"]
+    for kinds in (["linear_attention"], ["full_attention"]):
+        small = {**text, "num_hidden_layers": 1, "layer_types": kinds, "num_experts": 16}
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small))
+        layer = built.model.layers[0]
+        shapes = param_shapes(spec_from_config(small).layer(0))
+        mixer = layer.linear_attn if kinds == ["linear_attention"] else layer.self_attn
+        assert [numel(s) for s in shapes.attention] == [p.numel() for p in mixer.parameters()]
+        assert [numel(s) for s in shapes.mlp] == [p.numel() for p in layer.mlp.parameters()]
+    for dense in ({"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}):
+        with pytest.raises(MemplanError, match="dense layers"):
+            spec_from_config({**text, **dense})

@@ -119,3 +119,19 @@ def test_the_t4_warning_is_printed_by_advise() -> None:
     lines = run.stdout.splitlines()
     assert lines[0].startswith("llama-3.2-1b, batch 1 x seq 512 on T4 16GB: ")
     assert any(line.startswith("Warning: T4 16GB (compute capability 7.5)") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "name, source",
+    [
+        ("qwen3.5-35b-a3b", "Qwen3_5MoeTextConfig defaults"),
+        ("qwen3-next-80b-a3b-instruct", "Qwen3NextConfig defaults"),
+    ],
+)
+def test_a_catalog_entry_written_from_class_defaults_says_so(name: str, source: str) -> None:
+    """Entries with no published config.json behind them carry a note the advice repeats; the
+    same config given as a dict is the user's own and gets none."""
+    notes = [w for w in advise(name, 1, 256, lora_rank=16).warnings if source in w]
+    assert len(notes) == 1 and name in notes[0] and "not the checkpoint's config.json" in notes[0]
+    config = dict(catalog_model(name).spec.hf_config)
+    assert not [w for w in advise(config, 1, 256, lora_rank=16).warnings if source in w]

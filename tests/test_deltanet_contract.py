@@ -12,11 +12,22 @@ from memplan.estimators.contracts import DtypePlan, layer_saved
 from memplan.estimators.timeline import layer_contexts
 from memplan.schema import TrainSetup
 
+# Qwen3-Next: the same layer with fused input projections (in_proj_qkvz, in_proj_ba), a small
+# MoE block beside it
+QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+}
 
-def deltanet_config(heads: tuple[int, int, int, int]) -> dict:
+
+def deltanet_config(heads: tuple[int, int, int, int], fused: bool = False) -> dict:
     nk, nv, dk, dv = heads
     return {
         "model_type": "qwen3_5_text",
+        **(QWEN3_NEXT if fused else {}),
         "hidden_size": 256,
         "intermediate_size": 512,
         "num_hidden_layers": 1,
@@ -102,3 +113,37 @@ def test_saved_bytes_match_autograd_with_frozen_weights(
     x = model.model.embed_tokens(torch.randint(0, hf.vocab_size, (batch, seq)))
     measured = saved_storage_bytes(lambda: model.model.layers[0].linear_attn(x), model)
     assert predicted(config, precision, batch, seq, frozen=True) == measured
+
+
+@pytest.mark.parametrize(
+    "precision, batch, seq, heads, frozen",
+    [
+        ("bf16", 2, 64, (2, 4, 32, 32), False),
+        ("bf16", 3, 100, (2, 2, 32, 32), False),
+        ("fp32", 1, 200, (2, 4, 32, 32), False),
+        # z a view of the whole in_proj_qkvz output, which the gated norm's fp32 gate keeps
+        ("fp32", 3, 100, (2, 2, 32, 32), False),
+        ("fp32", 2, 256, (2, 2, 32, 64), False),
+        ("fp32", 3, 100, (2, 2, 32, 32), True),
+        ("bf16", 2, 130, (2, 4, 32, 64), True),
+    ],
+)
+def test_qwen3_next_fused_projections_save_what_qwen3_5s_do(
+    saved_storage_bytes, precision, batch, seq, heads, frozen
+):
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba, q, k and v concatenated again for the conv:
+    the saved tensors of Qwen3.5's separate projections, but in fp32 with as many key as value
+    heads, where the gate z stays a view of the fused output."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = deltanet_config(heads, fused=True)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    hf = AutoConfig.for_model(**config)
+    model = AutoModelForCausalLM.from_config(hf, dtype=dtype).train()
+    if frozen:
+        model.model.layers[0].requires_grad_(False)
+    x = model.model.embed_tokens(torch.randint(0, hf.vocab_size, (batch, seq)))
+    measured = saved_storage_bytes(lambda: model.model.layers[0].linear_attn(x), model)
+    kept_input = 0 if frozen else x.numel() * x.element_size()
+    assert predicted(config, precision, batch, seq, frozen) == measured - kept_input

@@ -228,6 +228,20 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
         ("llama4_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
         pytest.param("llama4_text", ("v_proj",), "fp32", "eager", marks=pytest.mark.slow),
         pytest.param("llama4_text", ("k_proj", "o_proj"), "bf16", "eager", marks=pytest.mark.slow),
+        # Qwen3.5: where q_proj's output needs no gradient, the product with the output gate
+        # keeps neither the attention output nor its copy, and o_proj's adapter the product
+        ("qwen3_5_text", ("k_proj", "o_proj"), "fp32", "eager"),
+        pytest.param("qwen3_5_text", ("v_proj",), "bf16", "sdpa", marks=pytest.mark.slow),
+        # Qwen3.5-MoE: the DeltaNet layer before the first adapter saves nothing; the frozen
+        # shared expert and its gate keep the product's factors only
+        ("qwen3_5_moe_text", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        pytest.param("qwen3_5_moe_text", ("o_proj",), "fp32", "eager", marks=pytest.mark.slow),
+        pytest.param(
+            "qwen3_5_moe_text", ("k_proj", "o_proj"), "fp32", "sdpa", marks=pytest.mark.slow
+        ),
+        # Qwen3-Next: as Qwen3.5-MoE, its DeltaNet's projections fused
+        ("qwen3_next", ("q_proj", "v_proj"), "bf16", "sdpa"),
+        pytest.param("qwen3_next", ("k_proj", "o_proj"), "fp32", "eager", marks=pytest.mark.slow),
     ],
 )
 def test_lora_matches_autograd_on_cpu(
@@ -314,6 +328,24 @@ def test_lora_matches_autograd_on_cpu(
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
         # first layer keeps q and k, unlike HF's RoPE (test_lora_matches_autograd_on_cpu).
         ("llama", ("rope",), "bf16", ("q_proj",)),
+        # Qwen3.5-MoE: the Gemma-cast norms and the shared expert's GLU kernel beside the
+        # DeltaNet, the gated attention and the experts as transformers runs them
+        ("qwen3_5_moe_text", ("rms_norm", "swiglu", "flce"), "bf16", ()),
+        pytest.param(
+            "qwen3_5_moe_text",
+            ("rms_norm", "swiglu", "cross_entropy"),
+            "fp32",
+            (),
+            marks=pytest.mark.slow,
+        ),
+        ("qwen3_next", ("rms_norm", "swiglu", "flce"), "bf16", ()),
+        pytest.param(
+            "qwen3_next",
+            ("rms_norm", "swiglu", "cross_entropy"),
+            "fp32",
+            (),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_patched_model_matches_autograd_on_cpu(
@@ -690,4 +722,18 @@ def test_one_kv_head_matches_autograd_on_cpu(model_type, precision, attn, saved_
         transformers=INSTALLED,
     )  # fmt: skip
     spec = spec_from_config(cfg.to_dict())
+    assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_next"])
+def test_norm_topk_prob_false_is_read_as_each_router_reads_it(model_type, saved_storage_bytes):
+    """Qwen3-Next's router skips the top-k renormalization where norm_topk_prob is false;
+    Qwen3.5-MoE's renormalizes whatever the config says."""
+    overrides = {**family_overrides(model_type), "norm_topk_prob": False}
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    measured = saved_bytes_of(saved_storage_bytes, model.train(), cfg.vocab_size, autocast=False)
+    spec = spec_from_config(cfg.to_dict())
+    setup = TrainSetup(batch=PROBE["batch"], seq=PROBE["seq"], transformers=INSTALLED)
     assert forward_saved(spec, setup, backend="cpu", rounded=False).total == measured

@@ -109,6 +109,12 @@ def llama4(vision: dict | None) -> dict:
     return {"model_type": "llama4", "text_config": text, "vision_config": vision}
 
 
+def qwen3_5_moe(vision: dict | None) -> dict:
+    text = {**TINY_TEXT, "model_type": "qwen3_5_moe_text", "num_experts": 4}
+    text.update(num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return {"model_type": "qwen3_5_moe", "text_config": text, "vision_config": vision}
+
+
 CONFIGS = {
     "mistral-small-3.1 (published)": PUBLISHED,
     "gemma-3-4b vision_config": gemma3(GEMMA3_4B_VISION, mm_tokens_per_image=256),
@@ -130,6 +136,9 @@ CONFIGS = {
     "llama-4-scout (published)": SCOUT,
     "llama4 vision tower": llama4(TINY_LLAMA4_VISION),
     "llama4 without vision_config": llama4(None),
+    # Qwen3.5's tower under the MoE wrapper's names, the merger its projection
+    "qwen3_5_moe, vision_config defaults": qwen3_5_moe({"model_type": "qwen3_5_moe_vision"}),
+    "qwen3_5_moe without vision_config": qwen3_5_moe(None),
 }
 
 

@@ -139,6 +139,33 @@ FAMILIES = {
         "linear_key_head_dim": 32,
         "linear_value_head_dim": 32,
     },
+    # qwen3_5_text's two layers, each with a MoE block: four experts, a shared expert of its
+    # own width and its sigmoid gate
+    "qwen3_5_moe_text": {
+        "head_dim": 64,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 192,
+    },
+    # the same layers with Qwen3-Next's fused DeltaNet projections (in_proj_qkvz, in_proj_ba)
+    "qwen3_next": {
+        "head_dim": 64,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 192,
+    },
 }
 
 
@@ -181,6 +208,8 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "gpt_oss": (_ATTENTION_QV, _ATTENTION_ALL),
     # the estimate adapts attention only in a MoE model
     "llama4_text": (_ATTENTION_QV, _ATTENTION_ALL),
+    "qwen3_5_moe_text": (_ATTENTION_QV, _ATTENTION_ALL),
+    "qwen3_next": (_ATTENTION_QV, _ATTENTION_ALL),
 }
 LORA_TARGETS["llama"] += (
     ("o_proj",),

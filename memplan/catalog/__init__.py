@@ -7,6 +7,7 @@ from memplan.catalog.gpus import DEFAULT_GPU, gpu_notes, list_gpus, parse_memory
 from memplan.catalog.models import (
     CatalogModel,
     catalog_model,
+    catalog_note,
     list_model_entries,
     list_models,
     model_config,
@@ -21,6 +22,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "CatalogModel",
     "catalog_model",
+    "catalog_note",
     "gpu_notes",
     "list_gpus",
     "list_model_entries",

@@ -105,8 +105,11 @@ def _towers(config: Mapping[str, Any], towers: Mapping[str, str]) -> list[str]:
 
 def _defaults(config: Mapping[str, Any], spec: ModelSpec) -> list[str]:
     keys = list(_SHAPE_KEYS)
-    if spec.num_experts and spec.moe_intermediate_size != spec.intermediate_size:
-        keys[-1] = "moe_intermediate_size"  # the experts' width is what the estimate uses
+    # the experts' width is what the estimate uses (Qwen3.5-MoE's config has no dense width)
+    if spec.num_experts and (
+        spec.moe_intermediate_size != spec.intermediate_size or "intermediate_size" not in config
+    ):
+        keys[-1] = "moe_intermediate_size"
     missing = [k for k in keys if config.get(k) is None]
     if not missing:
         return []

@@ -99,7 +99,7 @@ def spec_from_config(config: dict[str, Any], name: str | None = None) -> ModelSp
         "model_type": model_type,
         "vocab_size": _positive_int(cfg, "vocab_size"),
         "hidden_size": hidden,
-        "intermediate_size": _positive_int(cfg, "intermediate_size"),
+        "intermediate_size": _dense_width(rules, cfg, shared_width),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -702,7 +702,7 @@ def _dense_and_shared(
 ) -> tuple[tuple[int, ...], int]:
     """The layers of a DeepSeek-style MoE model with a dense MLP (the first first_k_dense_replace
     ones) and the width of each MoE layer's shared experts (expert width x n_shared_experts;
-    Llama 4's one shared expert, as wide as an expert)."""
+    Llama 4's one shared expert, as wide as an expert; Qwen3-Next's of its own width)."""
     moe = rules.moe
     if moe is None:
         return (), 0
@@ -714,7 +714,17 @@ def _dense_and_shared(
         shared = expert_width * _positive_int(cfg, moe.shared_experts_key)
     elif moe.router == "sigmoid_every_expert":  # Llama 4: one shared expert, as wide
         shared = expert_width
+    elif moe.shared_expert_width_key is not None:
+        shared = _positive_int(cfg, moe.shared_expert_width_key)
     return dense, shared
+
+
+def _dense_width(rules: ConfigRules, cfg: dict[str, Any], shared_width: int) -> int:
+    """intermediate_size; Qwen3.5-MoE's config has none (every layer a MoE block): the shared
+    expert's width stands in for it, the widest gated MLP the model runs."""
+    if cfg.get("intermediate_size") is None and rules.moe and rules.moe.shared_expert_width_key:
+        return shared_width
+    return _positive_int(cfg, "intermediate_size")
 
 
 def _check_expert_groups(cfg: dict[str, Any], experts: int, per_tok: int) -> None:

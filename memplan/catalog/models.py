@@ -114,6 +114,13 @@ def resolve_model_input(
     return spec, config_notes(config, spec)
 
 
+def catalog_note(name: str | None) -> list[str]:
+    """The note a catalog entry carries where its config is not the checkpoint's own (an entry
+    written from transformers' class defaults says so)."""
+    entry = _entries().get(name) if name else None
+    return [entry["note"]] if entry and entry.get("note") else []
+
+
 def resolve_config(name_or_path: str, *, trust_remote_code: bool = False) -> tuple[dict, str]:
     """The config.json dict that resolve_model reads, and the name the model goes by (the
     catalog key, the path or the hub id as given), without reading it into a ModelSpec."""

@@ -308,4 +308,5 @@ PROJECTORS: dict[str, Callable[[dict[str, Any], dict[str, Any], int], tuple[int,
     "gemma4": gemma4_embedder,
     "llama4": llama4_projector,
     "qwen3_5": lambda config, vision, text_hidden: (),
+    "qwen3_5_moe": lambda config, vision, text_hidden: (),
 }

@@ -23,6 +23,7 @@ from memplan.estimators.params import (
     layer_lora_targets,
     linear_value_dim,
     moe_rules,
+    shared_expert_gated,
 )
 from memplan.estimators.releases import Release
 from memplan.families import FAMILIES
@@ -267,7 +268,14 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
                 rows_per_token=1 if over_projection else heads,
                 input_requires_grad=ctx.needs_input_grad or ctx.adapted(proj, "qkv_proj"),
             )
-    if spec.qk_norm and spec.attention_output_gate and p == FP32 and not d.autocast:
+    # whether q_proj's output (the gated q and the output gate) needs a gradient
+    q_grad = ctx.needs_input_grad or ctx.adapted("q_proj", "qkv_proj")
+    gated_q_norm = spec.qk_norm and spec.attention_output_gate and q_grad
+    if gated_q_norm and "rms_norm" in ctx.kernels:
+        # q is a strided slice of the gated q_proj's output: memplan's RMSNorm keeps the
+        # contiguous copy it normalizes
+        out.add("attn.q_norm", p * nh * hd)
+    elif gated_q_norm and p == FP32 and not d.autocast:
         # q is a slice of the gated q_proj's output: q_norm's x.float() keeps all of it
         out.add("attn.q_norm", FP32 * nh * hd)
     if spec.v_norm:
@@ -323,7 +331,10 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
             out.add("attn.dropout", dropout_saved_bytes(ctx, p_scores) * nh * seq)
         if ctx.setup.attn == "eager" and spec.attn_logit_softcapping and scores_grad:
             out.add("attn.softcap", p * nh * seq)
-        if o_input_kept(ctx) or spec.attention_output_gate:
+        # kept by o_proj, or where there is an output gate, by the product with it where the
+        # gate needs a gradient (o_proj keeps the product: output_gate_saved)
+        gate = spec.attention_output_gate
+        if (o_input_kept(ctx) and not gate) or (gate and q_grad):
             out.add("attn.out", p * nh * hd)
         output_gate_saved(ctx, out)
         return
@@ -353,7 +364,8 @@ def attention_saved(ctx: LayerContext, out: Saved) -> None:
         ctx.queries_heads_major and attention_output_follows_query(ctx, path)
     )
     if copied and spec.attention_output_gate:
-        out.add("attn.gate.in", p * nh * hd)  # kept by the product with the gate
+        # kept by the product with the gate where the gate needs a gradient
+        out.add("attn.gate.in", p * nh * hd * q_grad)
     elif copied and o_input_kept(ctx):
         out.add("attn.o_proj_in", p * nh * hd)
     output_gate_saved(ctx, out)
@@ -672,6 +684,12 @@ def mlp_saved(ctx: LayerContext, out: Saved) -> None:
         moe_saved(ctx, out)
         if ctx.spec.shared_expert_intermediate_size:
             gated_mlp_saved(ctx, out, "mlp.shared", ctx.spec.shared_expert_intermediate_size)
+        if shared_expert_gated(ctx.spec):
+            # sigmoid(shared_expert_gate(x)) * shared: the product keeps both factors, the
+            # sigmoid's output (one per token, which its own backward reuses) and the shared
+            # expert's output
+            p = ctx.dtypes.proj
+            out.add_each(SHARED_EXPERT_GATE, p, p * ctx.spec.hidden_size)
         return
     gated_mlp_saved(ctx, out, "mlp", ctx.spec.intermediate_size)
 
@@ -747,7 +765,9 @@ def moe_router_saved(ctx: LayerContext, out: Saved) -> int:
     spec, d = ctx.spec, ctx.dtypes
     e, k, h = spec.num_experts, spec.num_experts_per_tok, spec.hidden_size
     router = moe_rules(spec)
-    normalized = spec.hf_config.get("norm_topk_prob", router.normalizes_by_default)
+    normalized = router.normalizes_by_default
+    if router.reads_norm_topk_prob:
+        normalized = spec.hf_config.get("norm_topk_prob", normalized)
     if router.router == "topk_softmax":
         out.add_each("moe.router", INT64 * k, d.proj * k)
     if router.router == "softmax":
@@ -929,6 +949,8 @@ def scores_attention_backward(
 
 # The entries of layer_saved of Llama 4's shared expert, which runs after the experts.
 SHARED_EXPERT = "mlp.shared"
+# Qwen3-Next's product of the shared expert's output with its sigmoid gate.
+SHARED_EXPERT_GATE = "mlp.shared_gate"
 
 
 def every_expert_moe_peaks(ctx: LayerContext, grad: bool) -> list[list[float]]:
@@ -984,15 +1006,16 @@ def layer_saved(ctx: LayerContext) -> Saved:
         qkv_consumers = 2
     mlp_consumers = 1 if spec.fused_gate_up else 2
     if ctx.moe:
-        # the router (unless it keeps an fp32 copy of its own) and the shared experts' gate and
-        # up; the experts gather their rows from the input
+        # the router (unless it keeps an fp32 copy of its own), the shared experts' gate and
+        # up and their output's gate linear; the experts gather their rows from the input
         shared = 2 if spec.shared_expert_intermediate_size else 0
+        shared += shared_expert_gated(spec)
         mlp_consumers = shared + (0 if router_copies_input(ctx) else 1)
     if ctx.setup.lora_rank:
         # Frozen base linears save no input; peft's adapters save their own fp32 cast of it.
         qkv_consumers = mlp_consumers = 0
-    if spec.deltanet:  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-        qkv_consumers = 0 if ctx.setup.lora_rank else 4
+    if spec.deltanet:  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (or qkvz and ba)
+        qkv_consumers = 0 if ctx.setup.lora_rank else len(deltanet_projection_widths(spec))
     p_res = d.residual
     post_norms = spec.sandwich_norm or spec.post_norm
     if spec.post_norm:  # q, k and v read the residual stream itself
@@ -1240,7 +1263,9 @@ def autocast_weight_tensors(spec: ModelSpec, first_stage: int = 0, moe: bool = F
     elif moe:
         shared = spec.shared_expert_intermediate_size
         router = FAMILIES[spec.model_type].config.moe
-        if router is not None and router.router == "sigmoid_fp32":
+        if shared_expert_gated(spec):  # the shared expert first, its output's gate last
+            gate_up = [h * shared] * 2 + [h * spec.num_experts, h]
+        elif router is not None and router.router == "sigmoid_fp32":
             gate_up = [h * spec.num_experts] + [h * shared] * 2 * bool(shared)
         else:
             gate_up = [h * spec.num_experts]

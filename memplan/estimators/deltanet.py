@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memplan.estimators.params import fused_deltanet
+
 if TYPE_CHECKING:
     from memplan.estimators.contracts import LayerContext, Saved
 
@@ -96,7 +98,10 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     v = nv * dv
     product = FP32 if d.autocast else p
     out.add_each("delta.norm", FP32 * v, FP32 * nv, p * v * trained, product * v)
-    out.add_each("delta.norm", FP32 * v, FP32 * v)
+    # the fp32 gate z: in fp32 with as many key as value heads Qwen3-Next's z is a view of the
+    # whole in_proj_qkvz output, which it keeps
+    gate = FP32 * (conv + v) if fp32_views and nk == nv and fused_deltanet(spec) else FP32 * v
+    out.add_each("delta.norm", gate, FP32 * v)
     out.add("delta.out", p * v * trained)
 
 

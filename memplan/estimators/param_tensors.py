@@ -11,10 +11,12 @@ from memplan.estimators.params import (
     deltanet_conv_dim,
     deltanet_other_widths,
     deltanet_projection_widths,
+    fused_deltanet,
     latent_attention_tensors,
     linear_value_dim,
     moe_rules,
     qk_norm_widths,
+    shared_expert_gated,
 )
 from memplan.schema import ModelSpec
 
@@ -153,14 +155,18 @@ def param_shapes(spec: ModelSpec) -> ParamShapes:
 
 
 def deltanet_shapes(spec: ModelSpec) -> list[Shape]:
-    """Qwen3.5's gated DeltaNet in parameters() order: its own dt_bias and A_log, then its
-    submodules' (the depthwise conv's weight, the gated norm's weight, out_proj, in_proj_qkv,
-    in_proj_z, in_proj_b, in_proj_a)."""
+    """The gated DeltaNet in parameters() order: its own dt_bias and A_log, then its
+    submodules' (Qwen3.5: the depthwise conv's weight, the gated norm's weight, out_proj,
+    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next: the conv's weight, in_proj_qkvz,
+    in_proj_ba, the gated norm's weight, out_proj)."""
     _, dt_bias, a_log, norm = deltanet_other_widths(spec)
     h = spec.hidden_size
     inputs = [(width, h) for width in deltanet_projection_widths(spec)]
     conv = (deltanet_conv_dim(spec), spec.linear_conv_kernel_dim)
-    return [(dt_bias, 1), (a_log, 1), conv, (norm, 1), (h, linear_value_dim(spec)), *inputs]
+    out = (h, linear_value_dim(spec))
+    if fused_deltanet(spec):
+        return [(dt_bias, 1), (a_log, 1), conv, *inputs, (norm, 1), out]
+    return [(dt_bias, 1), (a_log, 1), conv, (norm, 1), out, *inputs]
 
 
 # The routers (MoeRules.router) of MoE blocks that register their experts first, then the
@@ -192,11 +198,15 @@ def dense_mlp_shapes(spec: ModelSpec, inter: int, bias: bool | None = None) -> l
 def moe_shapes(spec: ModelSpec) -> list[Shape]:
     """A MoE block: transformers 5 keeps the experts as 3-D parameters, (experts, 2 x moe, h)
     and (experts, h, moe), beside the (experts, h) router (and its bias, gpt-oss): registered
-    first (Mixtral, Qwen3, gpt-oss), or after the experts and before the shared experts' MLP
+    first (Mixtral, Qwen3, gpt-oss; Qwen3-Next's then its shared expert and the (1, h)
+    shared_expert_gate), or after the experts and before the shared experts' MLP
     (DeepSeek-style, Llama 4: EXPERTS_FIRST)."""
     e, h = spec.num_experts, spec.hidden_size
     rules = moe_rules(spec)
     router: list[Shape] = [(e, h)] + ([(e, 1)] if rules.router_bias else [])
+    if shared_expert_gated(spec):
+        shared = dense_mlp_shapes(spec, spec.shared_expert_intermediate_size, False)
+        return router + expert_shapes(spec) + shared + [(1, h)]
     if rules.router not in EXPERTS_FIRST:
         return router + expert_shapes(spec)
     shared = dense_mlp_shapes(spec, spec.shared_expert_intermediate_size, False)

@@ -53,6 +53,7 @@ def layer_linear_params(layer: ModelSpec, index: int) -> int:
         mlp = h * layer.num_experts + layer.num_experts * 3 * h * layer.moe_intermediate_size
         mlp += layer.num_experts * sum(moe_bias_widths(layer))
         mlp += 3 * h * layer.shared_expert_intermediate_size
+        mlp += h if shared_expert_gated(layer) else 0
     else:
         inter = layer.intermediate_size
         mlp = 3 * h * inter + (2 * inter + h if layer.mlp_bias else 0)
@@ -80,10 +81,18 @@ def deltanet_conv_dim(layer: ModelSpec) -> int:
     return 2 * layer.linear_num_key_heads * layer.linear_key_head_dim + linear_value_dim(layer)
 
 
+def fused_deltanet(layer: ModelSpec) -> bool:
+    """Whether the gated DeltaNet projects q, k, v and z in one linear, b and a in another
+    (Qwen3-Next's in_proj_qkvz and in_proj_ba)."""
+    return FAMILIES[layer.model_type].config.fused_deltanet_projections
+
+
 def deltanet_projection_widths(layer: ModelSpec) -> tuple[int, ...]:
-    """Output widths of Qwen3.5's input projections, in registration order: in_proj_qkv,
-    in_proj_z, in_proj_b, in_proj_a."""
+    """Output widths of the input projections, in registration order: Qwen3.5's in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a; Qwen3-Next's in_proj_qkvz, in_proj_ba."""
     nv = layer.linear_num_value_heads
+    if fused_deltanet(layer):
+        return deltanet_conv_dim(layer) + linear_value_dim(layer), 2 * nv
     return deltanet_conv_dim(layer), linear_value_dim(layer), nv, nv
 
 
@@ -112,6 +121,12 @@ def moe_rules(spec: ModelSpec) -> MoeRules:
     rules = FAMILIES[spec.model_type].config.moe
     assert rules is not None, f"{spec.model_type} has no MoE rules"
     return rules
+
+
+def shared_expert_gated(spec: ModelSpec) -> bool:
+    """Whether the shared expert's output is multiplied by sigmoid(shared_expert_gate(x)), a
+    Linear(hidden, 1) (Qwen3-Next, Qwen3.5-MoE)."""
+    return spec.num_experts > 0 and moe_rules(spec).shared_expert_width_key is not None
 
 
 def moe_bias_widths(spec: ModelSpec) -> tuple[int, ...]:

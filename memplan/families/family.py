@@ -18,13 +18,17 @@ class MoeRules:
         num_experts and of n_routed_experts; num_experts is num_local_experts').
     expert_width_key: each expert's intermediate size.
     normalizes_by_default: whether the top-k weights are renormalized when the config has no
-        norm_topk_prob. fp32_routing_weights: whether each routed row keeps its weight in fp32
-        (the router softmax's dtype) rather than the router logits' dtype.
+        norm_topk_prob (reads_norm_topk_prob False: whatever it says, as Qwen3.5-MoE's router).
+        fp32_routing_weights: whether each routed row keeps its weight in fp32 (the router
+        softmax's dtype) rather than the router logits' dtype.
     dense_layers_key: a key whose non-default value makes some layers dense (unsupported).
     first_dense_key: the config key giving how many leading layers have a dense MLP
         (DeepSeek-style first_k_dense_replace), read as ModelSpec.dense_layers.
     shared_experts_key: the config key giving how many shared experts (one gated MLP of
         expert width x that many) each MoE layer runs beside the routed ones.
+    shared_expert_width_key: the config key giving the width of the one shared expert each MoE
+        layer runs before the routed ones (Qwen3-Next, Qwen3.5-MoE), whose output is multiplied
+        by sigmoid(shared_expert_gate(x)), a Linear(hidden, 1) registered after it.
     router: "softmax": the router's linear in the input's dtype, a softmax of all its logits
         in fp32, then the top k; "topk_softmax" (gpt-oss): the linear in the input's dtype, the
         top k of its logits, a softmax of those k in the logits' dtype; "sigmoid_fp32"
@@ -47,6 +51,8 @@ class MoeRules:
     dense_layers_key: str | None = None
     first_dense_key: str | None = None
     shared_experts_key: str | None = None
+    shared_expert_width_key: str | None = None
+    reads_norm_topk_prob: bool = True
     router: Literal["softmax", "topk_softmax", "sigmoid_fp32", "sigmoid_every_expert"] = "softmax"
     router_bias: bool = False
     expert_biases: bool = False
@@ -128,6 +134,9 @@ class ConfigRules:
         full_attention_interval-th layer is full attention, the others linear): Qwen3.5's gated
         DeltaNet, q/k/v through a causal depthwise conv, the gated delta rule in chunks of 64
         (transformers' torch fallback), a gated RMSNorm before out_proj.
+    fused_deltanet_projections: the gated DeltaNet's input projections are two, in_proj_qkvz
+        and in_proj_ba, registered after the conv (Qwen3-Next), not in_proj_qkv, in_proj_z,
+        in_proj_b and in_proj_a registered last (Qwen3.5).
     attention_output_gate: the full attention's q_proj is twice as wide; the second half's
         sigmoid multiplies the attention output before o_proj (Qwen3.5, Qwen3-Next).
     rope_per_batch_row: the rotary embedding builds cos/sin for every batch row (Qwen3.5's
@@ -167,6 +176,7 @@ class ConfigRules:
     llama4_attention: bool = False
     latent_attention: bool = False
     gated_deltanet: bool = False
+    fused_deltanet_projections: bool = False
     attention_output_gate: bool = False
     rope_per_batch_row: bool = False
     moe: MoeRules | None = None

@@ -884,5 +884,131 @@ FAMILIES: dict[str, Family] = {
             tiny_from="qwen3.5-0.8b",
             wrapped_by=("qwen3_5",),
         ),
+        Family(
+            model_type="qwen3_5_moe_text",
+            config=ConfigRules(
+                # Qwen3_5MoeTextConfig's defaults (Qwen3.5-35B-A3B's sizes, its docs say)
+                defaults={
+                    "vocab_size": 248320,
+                    "hidden_size": 2048,
+                    "num_hidden_layers": 40,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 2,
+                    "head_dim": 256,
+                    "max_position_embeddings": 32768,
+                    "partial_rotary_factor": 0.25,
+                    "full_attention_interval": 4,
+                    "linear_conv_kernel_dim": 4,
+                    "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128,
+                    "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 32,
+                    "num_experts": 256,
+                    "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 512,
+                    "shared_expert_intermediate_size": 512,
+                },
+                qk_norm=True,
+                windowed_layers="never",
+                reads_layer_types=False,
+                partial_rotary=True,
+                gated_deltanet=True,
+                attention_output_gate=True,
+                rope_per_batch_row=True,
+                # the router renormalizes its top k whatever norm_topk_prob says
+                moe=MoeRules(
+                    experts_key="num_experts",
+                    expert_width_key="moe_intermediate_size",
+                    normalizes_by_default=True,
+                    fp32_routing_weights=False,
+                    shared_expert_width_key="shared_expert_intermediate_size",
+                    reads_norm_topk_prob=False,
+                ),
+            ),
+            patch=PatchSpec(
+                model_type="qwen3_5_moe_text",
+                norm=_gemma_norm("Qwen3_5Moe", in_place_backward=True),
+                attention=AttentionSpec(classes=()),
+                # the shared expert is a Qwen3_5MoeMLP
+                mlp=MlpSpec(classes=("Qwen3_5MoeMLP",)),
+                causal_lm=CausalLMSpec(classes=("Qwen3_5MoeForCausalLM",), moe_aux_loss=True),
+                notes=(
+                    "the decoder layers keep their forward: each runs a gated DeltaNet or a "
+                    "full attention",
+                    "the full attention keeps its forward: its output gate and multimodal RoPE "
+                    "are not memplan's attention",
+                    "the gated DeltaNet runs transformers' torch fallback (chunked gated delta "
+                    "rule, causal conv1d in torch); flash-linear-attention and causal-conv1d "
+                    "are not modelled",
+                    *_EXPERTS_KEPT,
+                ),
+            ),
+            tiny_from="qwen3.5-35b-a3b",
+            wrapped_by=("qwen3_5_moe",),
+        ),
+        Family(
+            model_type="qwen3_next",
+            config=ConfigRules(
+                # Qwen3NextConfig's defaults (Qwen3-Next-80B-A3B-Instruct's sizes, its docs say)
+                defaults={
+                    "vocab_size": 151936,
+                    "hidden_size": 2048,
+                    "intermediate_size": 5632,
+                    "num_hidden_layers": 48,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 2,
+                    "head_dim": 256,
+                    "max_position_embeddings": 32768,
+                    "partial_rotary_factor": 0.25,
+                    "full_attention_interval": 4,
+                    "linear_conv_kernel_dim": 4,
+                    "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128,
+                    "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 32,
+                    "decoder_sparse_step": 1,
+                    "num_experts": 512,
+                    "num_experts_per_tok": 10,
+                    "moe_intermediate_size": 512,
+                    "shared_expert_intermediate_size": 512,
+                    "norm_topk_prob": True,
+                },
+                qk_norm=True,
+                windowed_layers="never",
+                reads_layer_types=False,
+                partial_rotary=True,
+                gated_deltanet=True,
+                fused_deltanet_projections=True,
+                attention_output_gate=True,
+                moe=MoeRules(
+                    experts_key="num_experts",
+                    expert_width_key="moe_intermediate_size",
+                    normalizes_by_default=True,
+                    fp32_routing_weights=False,
+                    dense_layers_key="mlp_only_layers",
+                    shared_expert_width_key="shared_expert_intermediate_size",
+                ),
+            ),
+            patch=PatchSpec(
+                model_type="qwen3_next",
+                norm=_gemma_norm("Qwen3Next", in_place_backward=True),
+                # the gated attention (sigmoid output gate) keeps its forward
+                attention=AttentionSpec(classes=()),
+                # the shared expert is a Qwen3NextMLP
+                mlp=MlpSpec(classes=("Qwen3NextMLP",)),
+                causal_lm=CausalLMSpec(classes=("Qwen3NextForCausalLM",), moe_aux_loss=True),
+                notes=(
+                    "the decoder layers keep their forward: each runs a gated DeltaNet or a "
+                    "full attention",
+                    "the full attention keeps its forward: its output gate is not memplan's "
+                    "attention",
+                    "the gated DeltaNet runs transformers' torch fallback (chunked gated delta "
+                    "rule, causal conv1d in torch); flash-linear-attention and causal-conv1d "
+                    "are not modelled",
+                    *_EXPERTS_KEPT,
+                ),
+            ),
+            tiny_from="qwen3-next-80b-a3b-instruct",
+        ),
     )
 }

@@ -62,6 +62,13 @@ WRAPPERS: dict[str, Wrapper] = {
             tower="qwen3_5",
             tower_model_types=("qwen3_5_vision", "qwen3_5"),
         ),
+        # Qwen3_5MoeVisionConfig: Qwen3.5's tower, its defaults and classes under another name
+        Wrapper(
+            model_type="qwen3_5_moe",
+            default_text="qwen3_5_moe_text",
+            tower="qwen3_5",
+            tower_model_types=("qwen3_5_moe_vision", "qwen3_5_moe"),
+        ),
         Wrapper(
             model_type="llama4",
             default_text="llama4_text",

@@ -57,6 +57,8 @@ def step_outputs(model: nn.Module) -> list[torch.Tensor]:
                 "deepseek_v3",
                 "gemma4_text",
                 "llama4_text",
+                "qwen3_5_moe_text",
+                "qwen3_next",
             )
         ),
     ],

@@ -222,6 +222,32 @@ def test_deepseek_v3_patches_its_norms_and_glus_and_keeps_its_latent_attention(
     assert not calls
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next"])
+def test_gated_deltanet_moe_patches_its_norms_and_shared_expert_and_keeps_its_experts(
+    monkeypatch, family
+):
+    """Qwen3.5-MoE and Qwen3-Next: memplan's RMSNorm on the decoder norms and the full
+    attention's q/k norms (not the DeltaNet's gated norm), SwiGLU in each MoE block's shared
+    expert (and Qwen3-Next's dense layer: the tiny model's last); the DeltaNet, the gated
+    attention with its RoPE, the router, the experts and the shared expert's sigmoid gate as
+    transformers runs them; the model trains as HF's does."""
+    calls = rope_calls(monkeypatch)
+    reference, patched = pair(family)
+    layers = reference.model.layers
+    assert [hasattr(layer, "linear_attn") for layer in layers] == [True, False]
+    assert hasattr(layers[0].mlp, "shared_expert_gate")
+    mlp_class = REGISTRY[family].patch.mlp.classes[0]
+    glus = {name for name, m in reference.named_modules() if type(m).__name__ == mlp_class}
+    applied = mp.apply(patched)
+    assert "rope" not in applied.kernels
+    assert {"rms_norm", "swiglu", "flce"} <= set(applied.kernels)
+    assert set(applied.modules["swiglu"]) == glus and "model.layers.0.mlp.shared_expert" in glus
+    assert not [name for name in applied.modules["rms_norm"] if "linear_attn" in name]
+    assert "model.layers.1.self_attn.q_norm" in applied.modules["rms_norm"]
+    lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
+    assert not calls
+
+
 def sink_calls(monkeypatch) -> list[int | None]:
     """The windows memplan's sink attention is called with, as the patch loads it."""
     import memplan.kernels.sink_attention as module

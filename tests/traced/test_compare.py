@@ -73,6 +73,10 @@ VARIANTS = {
     "llama4_text": {"precision": "amp-bf16"},
     # the gated DeltaNet layer before the first adapter (attention only) saves nothing
     "qwen3_5_text": {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    # the shared expert's gate linear and its weight copied under autocast
+    "qwen3_5_moe_text": {"precision": "amp-bf16"},
+    # the DeltaNet's fused projections and the MoE block recomputed
+    "qwen3_next": {"grad_checkpointing": True},
 }
 # More setups (slow) of families whose traits they change, with config overrides: OLMo's
 # post-norm and per-type rope tables under amp, LoRA and checkpointing; seed_oss's
@@ -187,6 +191,49 @@ EXTRA_VARIANTS = [
     ("seed_oss", {}, {"attn": "eager"}),
     ("seed_oss", {}, {"attn": "eager", "lora_rank": 16, "lora_targets": ("o_proj", "down_proj")}),
     ("gemma3_text", {}, {"attn": "eager", "precision": "fp32"}),
+    # qwen3_5_moe_text: eager attention, fp32, checkpointed layers (the MoE block recomputed
+    # beside the DeltaNet), LoRA on q and v (the frozen shared expert and its gate)
+    ("qwen3_5_moe_text", {}, {"attn": "eager"}),
+    ("qwen3_5_moe_text", {}, {"precision": "fp32"}),
+    ("qwen3_5_moe_text", {}, {"grad_checkpointing": True}),
+    ("qwen3_5_moe_text", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
+    # qwen3_next: eager, fp32 (and with as many key as value heads: z a view of in_proj_qkvz's
+    # output), autocast, LoRA on q and v
+    ("qwen3_next", {}, {"attn": "eager"}),
+    ("qwen3_next", {}, {"precision": "fp32"}),
+    ("qwen3_next", {"linear_num_value_heads": 4}, {"precision": "fp32"}),
+    ("qwen3_next", {}, {"precision": "amp-bf16"}),
+    ("qwen3_next", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
+    # checkpointed LoRA on q and v with both layers full attention (KNOWN_GAPS: with a DeltaNet)
+    (
+        "qwen3_5_moe_text",
+        {"layer_types": ["full_attention", "full_attention"]},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+]
+
+
+# Setups whose contracts are known to disagree with the traced step by more than 1%, kept so
+# that the gap stays measured (benchmarks/contract_gaps.py) until the contracts close it.
+KNOWN_GAPS = [
+    # checkpointed LoRA: the peak, in a recomputed DeltaNet layer's backward beside a MoE block,
+    # is above the contracts by the same bytes whatever the DeltaNet's head dims (and not where
+    # every layer is full attention: EXTRA_VARIANTS); not yet traced op by op
+    (
+        "qwen3_5_moe_text",
+        {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+    (
+        "qwen3_next",
+        {},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+    (
+        "qwen3_5_moe_text",
+        {"linear_key_head_dim": 48, "linear_value_head_dim": 48},
+        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
 ]
 
 
@@ -212,6 +259,10 @@ def cases() -> list:
     for index, (family, overrides, options) in enumerate(EXTRA_VARIANTS):
         case_id = f"{family}-extra{index}"
         out.append(pytest.param(family, overrides, options, id=case_id, marks=pytest.mark.slow))
+    for index, (family, overrides, options) in enumerate(KNOWN_GAPS):
+        gap = pytest.mark.xfail(reason="a known gap (KNOWN_GAPS)", strict=True)
+        marks = [pytest.mark.slow, gap]
+        out.append(pytest.param(family, overrides, options, id=f"{family}-gap{index}", marks=marks))
     return out
 
 
