@@ -19,6 +19,7 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.estimators.timeline import cublas_workspace_bytes
+from memplan.patching.forwards import DeviceFacts
 from memplan.schema import Gpu, TrainSetup
 from memplan.traced.autocast import Autocast
 from memplan.traced.emulation import CudaSemantics
@@ -245,13 +246,17 @@ def trace_steps(
 
     amp = AMP_DTYPES.get(setup.precision)
     regions = _CheckpointRegions()
-    model = build_model(
-        config, setup, trust_remote_code=trust_remote_code, checkpoint_context=regions
-    )
     recorder = Recorder(workspace_bytes=cublas_workspace_bytes(gpu))
     run = TracedRun(recorder=recorder, step_starts=[])
     autocast = (
         Autocast(amp, on_cached=lambda t: _tag(recorder, t, "autocast_cache")) if amp else None
+    )
+    model = build_model(
+        config,
+        setup,
+        trust_remote_code=trust_remote_code,
+        checkpoint_context=regions,
+        device_facts=device_facts(gpu, autocast),
     )
     capability = gpu.compute_capability if gpu else (9, 0)
     semantics = CudaSemantics(autocast, capability)
@@ -295,6 +300,16 @@ def trace_steps(
     run.attention_kernels = dict(semantics.kernels)
     run.attention_calls = dict(semantics.calls)
     return run
+
+
+def device_facts(gpu: Gpu | None, autocast: Autocast | None) -> DeviceFacts:
+    """What memplan's kernels are told of the GPU the meta tensors stand for: its SM count and
+    the emulated autocast's dtype while it is on."""
+
+    def autocast_dtype() -> torch.dtype | None:
+        return autocast.dtype if autocast is not None and autocast.enabled else None
+
+    return DeviceFacts(sm_count=gpu.sm_count if gpu else None, autocast=autocast_dtype)
 
 
 def rotary_embeddings_without_autocast(model: Any, autocast: Autocast | None) -> list[Any]:

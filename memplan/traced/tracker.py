@@ -41,37 +41,14 @@ KNOWN_READS: dict[str, bool | float] = {
 _READ_OPS = frozenset({"_local_scalar_dense", "is_nonzero"})
 
 
-def _targets_on_host(source: torch.Tensor) -> torch.Tensor:
-    """FLCE's flags (memplan.kernels.fused_linear_cross_entropy._targets_to_host): whether each
-    row has a target, then whether any lies outside the vocabulary. The protocol's labels are
-    the inputs: every chunk of rows has targets, none out of range."""
-    flags = torch.ones(source.shape, dtype=source.dtype)
-    flags[-1] = False
-    return flags
-
-
-# Copies of a tensor to the host that a kernel's launcher makes to plan its launches, by the
-# function that makes them: what the protocol's batch gives there on the GPU.
-KNOWN_HOST_COPIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "_targets_to_host": _targets_on_host,
-}
-
-
-def known_host_copy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """A meta tensor copied to the host by a known launcher (KNOWN_HOST_COPIES); None for any
-    other op."""
+def check_no_host_copy(func: Any, args: tuple, kwargs: dict) -> None:
+    """DataDependentRead where an op copies a meta tensor to the host: its values do not
+    exist."""
     if func.overloadpacket.__name__ != "_to_copy" or args[0].device.type != "meta":
-        return None
+        return
     device = kwargs.get("device")
-    if device is None or torch.device(device).type != "cpu":
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        answer = KNOWN_HOST_COPIES.get(frame.f_code.co_name)
-        if answer is not None:
-            return answer(args[0])
-        frame = frame.f_back
-    raise DataDependentRead(f"it copies a tensor to the host in {_model_frame()}")
+    if device is not None and torch.device(device).type == "cpu":
+        raise DataDependentRead(f"it copies a tensor to the host in {_model_frame()}")
 
 
 def softmax_backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
@@ -406,15 +383,7 @@ class AllocationTracker(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _READ_OPS and args[0].device.type == "meta":
             return known_read()
-        if func.namespace == "memplan":
-            # memplan's kernels: their launchers run on the meta tensors (the Triton launches
-            # do nothing there), so that what they allocate besides their outputs is recorded
-            launch = torch._library.custom_ops.OPDEFS[func._schema.name]._init_fn
-            with self:
-                return launch(*args, **kwargs)
-        copied = known_host_copy(func, args, kwargs)
-        if copied is not None:
-            return copied
+        check_no_host_copy(func, args, kwargs)
         special = _META_OUTPUTS.get(name)
         out = special(args, kwargs) if special else None
         if out is None:
