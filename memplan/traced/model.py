@@ -80,12 +80,14 @@ def build_model(
     trust_remote_code: bool = False,
     checkpoint_context: Callable[[], tuple[Any, Any]] | None = None,
     device_facts: DeviceFacts | None = None,
+    on_built: Callable[[Any], None] | None = None,
 ) -> Any:
     """The model on the meta device, in training mode, with checkpointing, LoRA and memplan's
     kernels as the setup asks. `checkpoint_context` is torch.utils.checkpoint's context_fn (the
     traced autocast uses it to open an autocast region around each layer's recomputation, as
     torch does on CUDA); `device_facts` tells the kernels what the meta tensors cannot: the
-    GPU's SM count and the emulated autocast."""
+    GPU's SM count and the emulated autocast; `on_built` is called with the model transformers
+    built, before LoRA adds its adapters (the order the GPU allocates them in)."""
     from transformers import AutoModelForCausalLM
 
     model_type = getattr(config, "model_type", "model")
@@ -102,6 +104,8 @@ def build_model(
             f"transformers could not build {model_type} from this config: {_first_line(exc)}"
         ) from exc
     model.train()
+    if on_built is not None:
+        on_built(model)
     try:
         if setup.grad_checkpointing:
             kwargs: dict[str, Any] = {"use_reentrant": False}

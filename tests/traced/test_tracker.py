@@ -205,3 +205,21 @@ def test_softmax_backward_forms_its_product_beside_its_output(dtype: torch.dtype
     ]
     before = recorder.records[: recorder.records.index(transients[0])]
     assert before[-1].action == "alloc"  # d(scores), alive with the product
+
+
+@pytest.mark.parametrize("family, tied", [("llama", True), ("mixtral", False)])
+def test_the_build_gives_a_tied_head_a_weight_of_its_own_first(family: str, tied: bool) -> None:
+    """As the GPU's build does (every tied model's H100 allocation trace): the weights in
+    registration order, then a block of the embedding's size made and released where the head
+    is tied to the embedding; LoRA's adapters after that."""
+
+    def weights(run: TracedRun) -> list:
+        return [r for r in run.recorder.records if run.recorder.storages[r.key].tag == "weights"]
+
+    built = len(weights(traced(family)))
+    run = traced(family, lora_rank=4, lora_targets=("q_proj",))
+    records = run.recorder.records
+    last_built, first_adapter = (records.index(r) for r in weights(run)[built - 1 : built + 1])
+    between = [(r.action, r.nbytes) for r in records[last_built + 1 : first_adapter]]
+    embedding_bytes = 256 * 64 * 2
+    assert between == ([("alloc", embedding_bytes), ("free", embedding_bytes)] if tied else [])
