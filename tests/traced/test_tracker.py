@@ -223,3 +223,26 @@ def test_the_build_gives_a_tied_head_a_weight_of_its_own_first(family: str, tied
     between = [(r.action, r.nbytes) for r in records[last_built + 1 : first_adapter]]
     embedding_bytes = 256 * 64 * 2
     assert between == ([("alloc", embedding_bytes), ("free", embedding_bytes)] if tied else [])
+
+
+def test_autograd_sums_a_tensors_gradients_in_place_where_cuda_does() -> None:
+    """x feeds two products: autograd adds the second gradient into the first (CUDA's
+    InputBuffer::accumulate), making no third block; where the gradients are shared with other
+    tensors (here views a hook keeps) it adds out of place."""
+
+    def gradient_blocks(keep_views: bool) -> int:
+        recorder = Recorder()
+        x = torch.empty(64, 32, device="meta", requires_grad=True)
+        kept: list[torch.Tensor] = []
+        with AllocationTracker(recorder):
+            y, z = x * 2, x * 3
+            if keep_views:
+                for node in (y.grad_fn, z.grad_fn):
+                    node.register_hook(lambda grads, _: kept.append(grads[0][:1]))
+            torch.autograd.backward([y, z], [torch.ones_like(y), torch.ones_like(z)])
+        size = x.numel() * x.element_size()
+        blocks = [r for r in recorder.records if r.action == "alloc" and r.nbytes == size]
+        return len(blocks) - 4  # y, z and the two gradients given for them
+
+    assert gradient_blocks(keep_views=False) == 2
+    assert gradient_blocks(keep_views=True) == 3
