@@ -246,3 +246,16 @@ def test_autograd_sums_a_tensors_gradients_in_place_where_cuda_does() -> None:
 
     assert gradient_blocks(keep_views=False) == 2
     assert gradient_blocks(keep_views=True) == 3
+
+
+def test_autocast_runs_out_variants_as_called() -> None:
+    """CUDA autocast registers the ops' functional overloads only: an addmm into an fp32 `out`
+    (FLCE's fp32 accumulator under amp) keeps its fp32 output, where a cast copy would not
+    take the result."""
+    autocast = Autocast(torch.bfloat16, enabled=True)
+    a = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
+    out = torch.empty(4, 4, device="meta")
+    args, kwargs = autocast.apply(torch.addmm, (out, a, a.t()), {"out": out})
+    assert args[0] is out and kwargs["out"] is out
+    args, _ = autocast.apply(torch.addmm, (out, a, a.t()), {})
+    assert args[0].dtype == torch.bfloat16
