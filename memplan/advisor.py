@@ -6,7 +6,7 @@ any safety margin), completes (fits). Imports neither torch nor transformers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from memplan import edge_verdict
@@ -300,20 +300,28 @@ def largest_batch(
     gpu: Gpu,
     ceiling: int = MAX_BATCH_SEARCHED,
     traced: bool = False,
+    known: Mapping[int, bool] | None = None,
 ) -> int:
     """The largest batch that advise would say fits with these kernels, FLCE's setting chosen
     for each batch as advise chooses it (0 if not even batch 1; `ceiling` when that fits).
     The bisection ends on a batch that fits next to one that does not. `traced`: the replays
-    near the edge are the traced step's where it applies (edge_verdict)."""
+    near the edge are the traced step's where it applies (edge_verdict), of the FLCE setting
+    advise chooses at that batch (the trace need not agree that the lightest setting is the
+    one that fits first); `known`: traced verdicts already made, by batch (not traced again)."""
 
     def trial(batch: int) -> TrainSetup:
         return lightest_flce(spec, setup.model_copy(update={"batch": batch}))
 
+    def chosen(batch: int) -> TrainSetup:
+        return with_flce_choice(spec, setup.model_copy(update={"batch": batch}), gpu)
+
     analytic = lambda b: runs(spec, trial(b), gpu)  # noqa: E731
+    replay = analytic
+    if traced:
+        traced_runs = edge_verdict.batch_runs(spec, chosen, gpu, analytic)
+        replay = lambda b: known[b] if known and b in known else traced_runs(b)  # noqa: E731
     return largest_running(
-        lambda b: estimate(spec, trial(b), gpu).peak_bytes <= gpu.capacity,
-        edge_verdict.batch_runs(spec, setup, gpu, analytic) if traced else analytic,
-        ceiling,
+        lambda b: estimate(spec, trial(b), gpu).peak_bytes <= gpu.capacity, replay, ceiling
     )
 
 
@@ -533,11 +541,13 @@ def advise(
         and method != "analytic"
         and edge_verdict.at_edge(result.peak_bytes, gpu_spec)
     )
-    max_batch = largest_batch(spec, planned, gpu_spec, traced=traced_verdict)
+    known: dict[int, bool] = {}
     if traced_verdict:
         result = edge_verdict.judged_at_edge(spec, setup, gpu_spec, result)
         if result.reserved is not None and result.reserved.method == "traced":
             warnings.append(edge_verdict.NOTE)
+            known[setup.batch] = result.reserved.runs  # the search's replay at this batch
+    max_batch = largest_batch(spec, planned, gpu_spec, traced=traced_verdict, known=known)
     plan = Plan(
         kernels=chosen,
         flce_chunk=setup.flce_chunk,
