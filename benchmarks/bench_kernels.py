@@ -448,11 +448,11 @@ def _rows_config(r: int, warps: int) -> Callable[[int], tuple[int, int, int]]:
 def _backward_config(
     r: int, warps: int, per_sm: int, weight_from_cache: bool | None = None
 ) -> Callable[..., NormBackwardConfig]:
-    def cfg(n_rows: int, n_cols: int, device: torch.device, op: str) -> NormBackwardConfig:
-        n_programs = min(triton.cdiv(n_rows, r), num_sms(device) * per_sm)
+    def cfg(n_rows: int, n_cols: int, sms: int, op: str) -> NormBackwardConfig:
+        n_programs = min(triton.cdiv(n_rows, r), sms * per_sm)
         rows_per_program = triton.cdiv(n_rows, n_programs)
         n_programs = triton.cdiv(n_rows, rows_per_program)
-        default = norm_backward_config(n_rows, n_cols, device, op).weight_from_cache
+        default = norm_backward_config(n_rows, n_cols, sms, op).weight_from_cache
         return NormBackwardConfig(
             triton.next_power_of_2(n_cols),
             r,
@@ -527,7 +527,7 @@ def _tune_norm_rows(rows: int, hidden: int, report: Callable) -> None:
             lambda: mp_layer_norm.layer_norm_backward(dy, x, w, mean, ln_rstd, True, True),
         ),
     }
-    default = norm_backward_config(rows, hidden, torch.device("cuda"), "rms_norm")
+    default = norm_backward_config(rows, hidden, num_sms(torch.device("cuda")), "rms_norm")
     per_sm = -(-default.n_programs // num_sms(torch.device("cuda")))
     for op, (module, forward, backward) in ops.items():
         for warps in (4, 8, 16, 32):

@@ -6,7 +6,7 @@ any safety margin), completes (fits). Imports neither torch nor transformers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from importlib.util import find_spec
 from typing import Any
 
@@ -302,20 +302,28 @@ def largest_batch(
     gpu: Gpu,
     ceiling: int = MAX_BATCH_SEARCHED,
     traced: bool = False,
+    known: Mapping[int, bool] | None = None,
 ) -> int:
     """The largest batch that advise would say fits with these kernels, FLCE's setting chosen
     for each batch as advise chooses it (0 if not even batch 1; `ceiling` when that fits).
     The bisection ends on a batch that fits next to one that does not. `traced`: the replays
-    near the edge are the traced step's where it applies (edge_verdict)."""
+    near the edge are the traced step's where it applies (edge_verdict), of the FLCE setting
+    advise chooses at that batch (the trace need not agree that the lightest setting is the
+    one that fits first); `known`: traced verdicts already made, by batch (not traced again)."""
 
     def trial(batch: int) -> TrainSetup:
         return lightest_flce(spec, setup.model_copy(update={"batch": batch}))
 
+    def chosen(batch: int) -> TrainSetup:
+        return with_flce_choice(spec, setup.model_copy(update={"batch": batch}), gpu)
+
     analytic = lambda b: runs(spec, trial(b), gpu)  # noqa: E731
+    replay = analytic
+    if traced:
+        traced_runs = edge_verdict.batch_runs(spec, chosen, gpu, analytic)
+        replay = lambda b: known[b] if known and b in known else traced_runs(b)  # noqa: E731
     return largest_running(
-        lambda b: estimate(spec, trial(b), gpu).peak_bytes <= gpu.capacity,
-        edge_verdict.batch_runs(spec, setup, gpu, analytic) if traced else analytic,
-        ceiling,
+        lambda b: estimate(spec, trial(b), gpu).peak_bytes <= gpu.capacity, replay, ceiling
     )
 
 
@@ -324,20 +332,30 @@ SEQ_STEP = 64
 
 
 def largest_seq(
-    spec: ModelSpec, setup: TrainSetup, gpu: Gpu, ceiling: int, traced: bool = False
+    spec: ModelSpec,
+    setup: TrainSetup,
+    gpu: Gpu,
+    ceiling: int,
+    traced: bool = False,
+    known: Mapping[int, bool] | None = None,
 ) -> int:
     """The largest sequence length, a multiple of SEQ_STEP tokens, that fits at this batch and
     these kernels, FLCE's setting chosen as for largest_batch (0 if not even SEQ_STEP tokens;
-    `ceiling` rounded down when that fits). `traced`: the replays near the edge are the traced
-    step's where it applies (edge_verdict)."""
+    `ceiling` rounded down when that fits). `traced` and `known` (verdicts by multiple of
+    SEQ_STEP) as for largest_batch."""
 
-    def trial(steps: int) -> TrainSetup:
-        return lightest_flce(spec, setup.model_copy(update={"seq": steps * SEQ_STEP}))
+    def at(steps: int) -> TrainSetup:
+        return setup.model_copy(update={"seq": steps * SEQ_STEP})
 
-    analytic = lambda n: runs(spec, trial(n), gpu)  # noqa: E731
+    analytic = lambda n: runs(spec, lightest_flce(spec, at(n)), gpu)  # noqa: E731
+    replay = analytic
+    if traced:
+        chosen = lambda n: with_flce_choice(spec, at(n), gpu)  # noqa: E731
+        traced_runs = edge_verdict.seq_runs(spec, chosen, gpu, analytic)
+        replay = lambda n: known[n] if known and n in known else traced_runs(n)  # noqa: E731
     return SEQ_STEP * largest_running(
-        lambda n: estimate(spec, trial(n), gpu).peak_bytes <= gpu.capacity,
-        edge_verdict.seq_runs(spec, trial, gpu, analytic) if traced else analytic,
+        lambda n: estimate(spec, lightest_flce(spec, at(n)), gpu).peak_bytes <= gpu.capacity,
+        replay,
         ceiling // SEQ_STEP,
     )
 
@@ -564,14 +582,22 @@ def advise(
     traced_verdict = (
         traced_verdict and method != "analytic" and edge_verdict.at_edge(result, gpu_spec)
     )
-    max_batch = largest_batch(spec, planned, gpu_spec, traced=traced_verdict)
-    max_seq = largest_seq(
-        spec, planned, gpu_spec, max(seq, spec.max_position_embeddings), traced=traced_verdict
-    )
+    known: dict[int, bool] = {}
     if traced_verdict:
         result = edge_verdict.judged_at_edge(spec, setup, gpu_spec, result)
         if result.reserved is not None and result.reserved.method == "traced":
             warnings.append(edge_verdict.NOTE)
+            known[setup.batch] = result.reserved.runs  # the search's replay at this batch
+    max_batch = largest_batch(spec, planned, gpu_spec, traced=traced_verdict, known=known)
+    known_seq = {seq // SEQ_STEP: known[batch]} if batch in known and seq % SEQ_STEP == 0 else {}
+    max_seq = largest_seq(
+        spec,
+        planned,
+        gpu_spec,
+        max(seq, spec.max_position_embeddings),
+        traced=traced_verdict,
+        known=known_seq,
+    )
     plan = Plan(
         kernels=chosen,
         flce_chunk=setup.flce_chunk,

@@ -57,12 +57,29 @@ def judged_at_edge(
 
 
 def batch_runs(
-    spec: ModelSpec, setup: TrainSetup, gpu: Gpu, analytic: Callable[[int], bool]
+    spec: ModelSpec,
+    setup_at: Callable[[int], TrainSetup],
+    gpu: Gpu,
+    analytic: Callable[[int], bool],
 ) -> Callable[[int], bool]:
-    """The replay test of the largest-batch search: the traced stream's where the trace
-    applies (two traces, then every batch from their affine stream), else `analytic`."""
-    if not applies(spec, setup):
+    """The replay test of the largest-batch search over the setups `setup_at` gives: the traced
+    stream's where the trace applies (two traces, then every batch from their affine stream;
+    a trace per batch asked where the stream is not affine in the batch), else `analytic`."""
+    if not applies(spec, setup_at(2)):
         return analytic
+    from memplan.traced.verdict import affine_in_batch
+
+    if not affine_in_batch(setup_at(2)):
+        return _each_traced(spec, setup_at, gpu, analytic)
+    return _affine_traced(spec, setup_at, gpu, analytic)
+
+
+def _affine_traced(
+    spec: ModelSpec,
+    setup_at: Callable[[int], TrainSetup],
+    gpu: Gpu,
+    analytic: Callable[[int], bool],
+) -> Callable[[int], bool]:
     from memplan.errors import MemplanError
     from memplan.traced.verdict import BatchStream
 
@@ -71,7 +88,7 @@ def batch_runs(
     def runs(batch: int) -> bool:
         try:
             if not streams:
-                streams.append(BatchStream(spec, setup, gpu, batch))
+                streams.append(BatchStream(spec, setup_at, gpu, batch))
             return streams[0].runs(batch)
         except (MemplanError, ValueError):
             return analytic(batch)
@@ -90,6 +107,16 @@ def seq_runs(
     trace applies, else `analytic`."""
     if not applies(spec, setup_at(1)):
         return analytic
+    return _each_traced(spec, setup_at, gpu, analytic)
+
+
+def _each_traced(
+    spec: ModelSpec,
+    setup_at: Callable[[int], TrainSetup],
+    gpu: Gpu,
+    analytic: Callable[[int], bool],
+) -> Callable[[int], bool]:
+    """A trace per candidate asked: the searches ask few, nearest their allocated bound first."""
     from memplan.errors import MemplanError
     from memplan.traced.verdict import traced_reserved
 

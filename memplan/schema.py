@@ -420,6 +420,9 @@ class Gpu(BaseModel):
     capacity_bytes: int | None = Field(default=None, gt=0)
     capacity_measured: bool = False
     compute_capability: tuple[int, int] = (9, 0)
+    # Streaming multiprocessors (the datasheet's); kernels size per-SM scratch by it. None:
+    # unknown (a GPU given by its memory alone).
+    sm_count: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _capacity(self) -> Gpu:

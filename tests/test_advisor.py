@@ -166,12 +166,16 @@ def test_fused_qkv_lora_defaults_and_suggestions_use_qkv_proj() -> None:
     ],
 )
 def test_largest_batch_is_where_advise_stops_fitting(model, gpu, batch, seq, precision) -> None:
+    """Asked away from the edge, the search replays the analytic stream; so does advise here at
+    the largest batch and the next (at the edge it would take the traced step's verdict:
+    tests/traced/test_edge_verdict.py checks that search against it)."""
     advice = advise(model, batch, seq, gpu=gpu, precision=precision)
     kernels = ",".join(advice.plan.kernels)
     best = advice.max_batch
     assert best > 0
-    assert advise(model, best, seq, gpu=gpu, precision=precision, kernels=kernels).fits
-    assert not advise(model, best + 1, seq, gpu=gpu, precision=precision, kernels=kernels).fits
+    options = dict(gpu=gpu, precision=precision, kernels=kernels, traced_verdict=False)
+    assert advise(model, best, seq, **options).fits
+    assert not advise(model, best + 1, seq, **options).fits
 
 
 def test_largest_batch_at_the_search_ceiling_says_at_least() -> None:

@@ -71,6 +71,7 @@ def _gpu(key: str) -> Gpu:
         capacity_bytes=entry.get("capacity_bytes"),
         capacity_measured="capacity_bytes" in entry,
         compute_capability=tuple(entry["compute_capability"]),
+        sm_count=entry.get("sm_count"),
     )
 
 

@@ -28,6 +28,7 @@ from memplan.errors import UsageError
 from memplan.kernels._op import Op, launcher, use_custom_op
 from memplan.kernels._utils import (
     as_rows,
+    autocast_dtype,
     cdiv,
     check_floating,
     elementwise_launch_config,
@@ -183,7 +184,7 @@ class GluOp:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(d_gate, d_up) of the saved gate and up: written over them where _in_place_allowed
         (eager tensors), else new; with `product`, act(gate) * up is written there too."""
-        # the custom-op check first: _in_place_allowed reads addresses, which traced tensors lack
+        # the custom-op check first: _in_place_allowed reads addresses, which fake tensors lack
         if not use_custom_op(dout) and _in_place_allowed(ctx, gate, up):
             self.backward(dout, gate, up, dgate=gate, dup=up, product=product)
             _mark_overwritten(gate, up)
@@ -239,6 +240,7 @@ class GluOp:
         *,
         in_place_backward: bool = False,
         down: torch.nn.Module | None = None,
+        autocast: torch.dtype | None = None,
     ) -> torch.Tensor:
         check_floating(self.name, gate, up)
         if gate.shape != up.shape or gate.dtype != up.dtype:
@@ -246,7 +248,7 @@ class GluOp:
                 f"{self.name} needs gate and up of one shape and dtype, got "
                 f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}."
             )
-        if down is not None and recompute_product(down, gate):
+        if down is not None and recompute_product(down, gate, autocast):
             return _DownProjected.apply(gate, up, down.weight, down.bias, in_place_backward, self)
         product = self.op(gate, up, in_place_backward)
         return product if down is None else down(product)
@@ -301,11 +303,14 @@ def _mark_overwritten(*tensors: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(t)
 
 
-def recompute_product(down: torch.nn.Module, gate: torch.Tensor) -> bool:
+def recompute_product(
+    down: torch.nn.Module, gate: torch.Tensor, autocast: torch.dtype | None = None
+) -> bool:
     """Whether `down` can run inside the op, with the product recomputed in backward: a plain
     nn.Linear without hooks (PEFT adapters, FSDP's unshard hooks and the like keep their own
     call) whose weight matches gate's dtype, on eager tensors (torch.compile traces the custom
-    ops) and outside autocast (which would cast inside nn.Linear)."""
+    ops) and outside autocast (which would cast inside nn.Linear): gate's device's, or
+    `autocast`'s dtype where the caller knows it is on (autocast_dtype)."""
     return (
         type(down) is torch.nn.Linear
         and not (down._forward_hooks or down._forward_pre_hooks)
@@ -313,7 +318,7 @@ def recompute_product(down: torch.nn.Module, gate: torch.Tensor) -> bool:
         and not (torch.nn.modules.module._global_forward_pre_hooks)
         and down.weight.dtype == gate.dtype
         and not use_custom_op(gate)
-        and not torch.is_autocast_enabled(gate.device.type)
+        and autocast_dtype(gate.device.type, autocast) is None
     )
 
 

@@ -15,19 +15,22 @@ import triton
 import triton.language as tl
 
 from memplan.kernels._launch import fast_launch
-from memplan.kernels._utils import cdiv, next_power_of_2, num_sms, on_device
+from memplan.kernels._utils import cdiv, next_power_of_2, on_device
 
 
-def partial_layout(n_programs: int, device: torch.device) -> tuple[int, bool]:
-    """(partial rows, paired): pairs of programs share a row when programs outnumber SMs."""
-    if n_programs > num_sms(device):
+def partial_layout(n_programs: int, sms: int) -> tuple[int, bool]:
+    """(partial rows, paired): pairs of programs share a row when programs outnumber the `sms`
+    SMs."""
+    if n_programs > sms:
         return cdiv(n_programs, 2), True
     return n_programs, False
 
 
-def new_partials(n_sums: int, n_programs: int, n_cols: int, device: torch.device) -> torch.Tensor:
+def new_partials(
+    n_sums: int, n_programs: int, n_cols: int, device: torch.device, sms: int
+) -> torch.Tensor:
     """(n_sums, partial rows, n_cols) fp32 scratch; zeroed when paired programs add into it."""
-    rows, paired = partial_layout(n_programs, device)
+    rows, paired = partial_layout(n_programs, sms)
     alloc = torch.zeros if paired else torch.empty
     return alloc((n_sums, rows, n_cols), dtype=torch.float32, device=device)
 

@@ -3,9 +3,10 @@
 An op is declared once: its launcher (plain tensors in, new tensors out), its fake (the outputs'
 shapes and dtypes), what it saves for backward (`setup_context`) and its backward. From that
 declaration come the `torch.library` custom op with its fake and autograd, used while
-torch.compile traces and for tensor subclasses and meta tensors, and an eager
-`torch.autograd.Function` over the same launcher, setup and backward for plain tensors (the
-custom op's dispatch costs host time on every call, which small kernels cannot hide).
+torch.compile traces and for tensor subclasses, and an eager `torch.autograd.Function` over the
+same launcher, setup and backward for plain tensors, meta tensors included (the custom op's
+dispatch costs host time on every call, which small kernels cannot hide; on meta tensors the
+launchers allocate what they allocate on the GPU and launch nothing).
 Backward kernels are declared the same way (`launcher`): one function, dispatched through its
 custom op or called directly by the same rule, so the two paths launch the same kernels with the
 same arguments.
@@ -27,9 +28,11 @@ import torch
 
 def use_custom_op(t: torch.Tensor) -> bool:
     """Whether a call on `t` goes through the torch.library custom op: while torch.compile
-    traces, and for tensor subclasses (fake tensors, ...) and meta tensors, which need the
-    registered fake. Plain eager tensors call the launcher directly."""
-    return torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.is_meta
+    traces, and for tensor subclasses (fake tensors, ...), which need the registered fake.
+    Plain tensors call the launcher directly: on meta tensors it allocates its outputs and
+    scratch as on the GPU and skips the launch (memplan.kernels._launch.on_meta), which is what
+    the traced step (memplan/traced) records."""
+    return torch.compiler.is_compiling() or type(t) is not torch.Tensor
 
 
 def launcher(
@@ -61,12 +64,6 @@ def launcher(
         return call
 
     return register
-
-
-# The eager autograd.Function of each functional op, by its custom op's name ("memplan::rms_norm"):
-# the traced step (memplan/traced) runs the eager path on meta tensors, to record what the GPU
-# allocates (the custom op's outputs may not alias its inputs; the eager path's may).
-EAGER_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 
 
 class Op:
@@ -117,8 +114,6 @@ class Op:
 
         Function.__name__ = Function.__qualname__ = f"{name}_function"
         self.function = Function
-        if self.functional:
-            EAGER_FUNCTIONS[f"memplan::{name}"] = Function
 
     def __call__(self, *inputs: Any) -> Any:
         """The op's outputs, through the custom op or the autograd.Function (use_custom_op)."""

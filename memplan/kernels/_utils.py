@@ -55,12 +55,29 @@ def elementwise_launch_config(n_cols: int) -> tuple[int, int, int]:
     return rows, block, num_warps_for(rows * block)
 
 
-def num_sms(device: torch.device | str | int | None = None) -> int:
-    """Streaming multiprocessors of a CUDA device; a small constant on CPU (interpreter)."""
+def num_sms(device: torch.device | str | int | None = None, given: int | None = None) -> int:
+    """Streaming multiprocessors of a CUDA device, or `given` where the caller knows the GPU the
+    tensors stand for (meta tensors have no device to ask); a small constant on CPU
+    (interpreter) and meta."""
+    if given is not None:
+        return given
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or 0)
     if device.type == "cuda" and torch.cuda.is_available():
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+def autocast_dtype(device_type: str, given: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype autocast casts this device type's ops to, None where it is off; `given` where
+    the caller knows it (meta tensors have no autocast of their own: the traced step emulates
+    CUDA's)."""
+    if given is not None:
+        return given
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 @functools.cache
@@ -121,15 +138,30 @@ def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     in-place write into one must then not be read through the other."""
     if a.numel() == 0 or b.numel() == 0:
         return False
+    if a.is_meta or b.is_meta:  # no addresses there (all 0): offsets into one storage
+        return _storage_spans_overlap(a, b)
+    # addresses, not storages: asking for a storage costs host time
+    return _spans_overlap(a, b, a.data_ptr(), b.data_ptr())
 
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        start = t.data_ptr()  # addresses, not storages: asking for a storage costs host time
+
+def _storage_spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage() is not b.untyped_storage():
+        return False
+    return _spans_overlap(
+        a, b, a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    )
+
+
+def _spans_overlap(a: torch.Tensor, b: torch.Tensor, a_start: int, b_start: int) -> bool:
+    """Whether a's elements from byte a_start and b's from b_start can intersect."""
+
+    def span(t: torch.Tensor, start: int) -> tuple[int, int]:
         if t.is_contiguous():
             return start, start + t.numel() * t.element_size()
         extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
         return start, start + (extent + 1) * t.element_size()
 
-    (a0, a1), (b0, b1) = span(a), span(b)
+    (a0, a1), (b0, b1) = span(a, a_start), span(b, b_start)
     return a0 < b1 and b0 < a1
 
 
@@ -193,21 +225,19 @@ WIDE_ROW_BACKWARD: dict[tuple[str, int], tuple[int, bool]] = {
 }
 
 
-def norm_backward_config(
-    n_rows: int, n_cols: int, device: torch.device, op: str
-) -> NormBackwardConfig:
+def norm_backward_config(n_rows: int, n_cols: int, sms: int, op: str) -> NormBackwardConfig:
     """Launch parameters for the norm backward kernels of `op` ("rms_norm" or "layer_norm"),
     where each program walks a contiguous range of rows and keeps a (hidden,) fp32 partial of
-    dW: tiles of ~4K elements, 2 programs per SM up to 4K-element tiles (pairs share a partial
-    row: memplan.kernels._norm_weight_grad), 1 above, which keeps the partials at Liger-Kernel's
-    size; wider rows per WIDE_ROW_BACKWARD."""
+    dW: tiles of ~4K elements, 2 programs per SM (of `sms`, num_sms) up to 4K-element tiles
+    (pairs share a partial row: memplan.kernels._norm_weight_grad), 1 above, which keeps the
+    partials at Liger-Kernel's size; wider rows per WIDE_ROW_BACKWARD."""
     block_n = next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise UsageError(f"fused norms support rows of at most {MAX_FUSED_SIZE}, got {n_cols}.")
     rows = max(1, 4096 // block_n)
     tile = block_n * rows
     per_sm = 2 if tile <= 4096 else 1
-    n_programs = min(cdiv(n_rows, rows), num_sms(device) * per_sm)
+    n_programs = min(cdiv(n_rows, rows), sms * per_sm)
     rows_per_program = cdiv(n_rows, n_programs)
     n_programs = cdiv(n_rows, rows_per_program)
     num_warps, weight_from_cache = WIDE_ROW_BACKWARD.get(

@@ -41,7 +41,7 @@ from memplan.estimators.kernel_contracts import (
 )
 from memplan.estimators.kernel_contracts import flce_schedule as contract_schedule
 from memplan.kernels._op import Op
-from memplan.kernels._utils import check_floating, first_order_only
+from memplan.kernels._utils import autocast_dtype, check_floating, first_order_only
 from memplan.kernels.cross_entropy import (
     LossOptions,
     check_target,
@@ -150,6 +150,8 @@ def _targets_to_host(
     pinned memory, non-blocking; None elsewhere)."""
     valid = target != ignore_index
     flags = torch.cat([valid, (valid & ((target < 0) | (target >= vocab))).any()[None]])
+    if flags.is_meta:
+        return _assumed_flags(flags.shape[0]), None
     if not flags.is_cuda:
         return flags.cpu(), None
     host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
@@ -157,6 +159,14 @@ def _targets_to_host(
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(flags.device))
     return host, ready
+
+
+def _assumed_flags(n: int) -> Tensor:
+    """The host flags of meta targets, which hold no values: every row has a target and none
+    lies outside the vocabulary (what the fake's outputs assume too)."""
+    flags = torch.ones(n, dtype=torch.bool)
+    flags[-1] = False
+    return flags
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -530,6 +540,7 @@ def fused_linear_cross_entropy(
     return_per_token_loss: bool = False,
     prefetched: PrefetchedTargets | None = None,
     options: LossOptions | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross entropy of hidden (N, H) @ weight (V, H)^T (+ bias (V,)) against target (N,), fp32
     loss, same options (LossOptions, as keywords or as `options`) as
@@ -539,8 +550,9 @@ def fused_linear_cross_entropy(
     (kernel_contracts.flce_chunk_for_budget; this also allows the faster fp32-accumulator
     schedule), or by default 2^ceil(log2(N / ceil(V / H))). return_per_token_loss also returns
     the fp32 loss per token (detached for 'mean' and 'sum'). Under autocast the inputs are cast
-    to the autocast dtype, as nn.Linear would. `prefetched`: prefetch_targets' handle for
-    this target, read where it still describes it."""
+    to the autocast dtype, as nn.Linear would: hidden's device's, or `autocast`, its dtype where
+    the caller knows it is on (meta tensors have no autocast). `prefetched`: prefetch_targets'
+    handle for this target, read where it still describes it."""
     if options is None:
         options = LossOptions(
             ignore_index, label_smoothing, softcap, z_loss_scale, reduction, num_items_in_batch
@@ -568,9 +580,8 @@ def fused_linear_cross_entropy(
             "fused_linear_cross_entropy needs a hidden size and a vocabulary of at least 1, got "
             f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}"
         )
-    device_type = hidden.device.type
-    if not hidden.is_meta and torch.is_autocast_enabled(device_type):
-        amp_dtype = torch.get_autocast_dtype(device_type)
+    amp_dtype = autocast_dtype(hidden.device.type, autocast)
+    if amp_dtype is not None:
         hidden, weight = hidden.to(amp_dtype), weight.to(amp_dtype)
         bias = bias.to(amp_dtype) if bias is not None else None
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):

@@ -134,13 +134,16 @@ def geglu(
     approximate: str = "tanh",
     in_place_backward: bool = False,
     down: torch.nn.Module | None = None,
+    autocast: torch.dtype | None = None,
 ) -> torch.Tensor:
     """gelu(gate, approximate=approximate) * up, fused ("tanh" or "none", as F.gelu); gate and
     up of one shape and dtype (any leading shape). With `down` (an nn.Linear): down(product),
-    the product recomputed in backward instead of kept (memplan.kernels._glu)."""
+    the product recomputed in backward instead of kept (memplan.kernels._glu) unless autocast
+    is on (gate's device's, or `autocast`, its dtype where the caller knows it)."""
     if approximate not in _GEGLU:
         raise UsageError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
-    return _GEGLU[approximate](gate, up, in_place_backward=in_place_backward, down=down)
+    glu = _GEGLU[approximate]
+    return glu(gate, up, in_place_backward=in_place_backward, down=down, autocast=autocast)
 
 
 class GeGLU(GatedMLP):

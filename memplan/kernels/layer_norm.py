@@ -36,6 +36,7 @@ from memplan.kernels._utils import (
     is_real_number,
     norm_backward_config,
     norm_forward_config,
+    num_sms,
     on_device,
 )
 
@@ -229,11 +230,12 @@ def layer_norm_backward(
     n_partials = int(compute_dw) + int(compute_db)
     if dx.numel() == 0:  # no rows, or rows of 0 elements
         return dx, x.new_zeros((n_partials, n_cols), dtype=sums_dtype)
-    config = norm_backward_config(n_rows, n_cols, x.device, "layer_norm")
+    sms = num_sms(x.device)
+    config = norm_backward_config(n_rows, n_cols, sms, "layer_norm")
     n_programs = config.n_programs
 
     # dW and dB partials in one buffer, so that one launch sums both
-    partials = new_partials(n_partials, n_programs, n_cols, x.device)
+    partials = new_partials(n_partials, n_programs, n_cols, x.device, sms)
     dw_partial = partials[0] if compute_dw else dx  # dx: never written
     db_partial = partials[-1] if compute_db else dx
     with on_device(x):
@@ -255,7 +257,7 @@ def layer_norm_backward(
             HAS_WEIGHT=weight is not None,
             COMPUTE_DW=compute_dw,
             COMPUTE_DB=compute_db,
-            PAIRED=partial_layout(n_programs, x.device)[1],
+            PAIRED=partial_layout(n_programs, sms)[1],
             BLOCK_N=config.block_n,
             ROWS=config.rows,
             num_warps=config.num_warps,

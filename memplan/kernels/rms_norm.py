@@ -37,6 +37,7 @@ from memplan.kernels._utils import (
     load_fp32,
     norm_backward_config,
     norm_forward_config,
+    num_sms,
     on_device,
 )
 
@@ -285,11 +286,12 @@ def rms_norm_backward(
     dx: torch.Tensor | None = None,
     extra_dys: tuple[torch.Tensor, ...] = (),
     residual_grad: torch.Tensor | None = None,
+    sm_count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx, dw) for the output gradient dy + sum(extra_dys) (at most two: the gradients of the
     same output from several consumers), plus residual_grad added to dx. dx is written into `dx`
     when given (it may be dy itself: each program reads a tile of rows entirely before writing
-    the same rows)."""
+    the same rows). sm_count: the GPU's SMs, which size the dW partials (num_sms)."""
     if len(extra_dys) > 2:
         raise ValueError(f"at most 3 output gradients, got {1 + len(extra_dys)}")
     x2 = as_rows(x)
@@ -302,10 +304,11 @@ def rms_norm_backward(
         return dx, torch.zeros_like(weight) if compute_dw else None
     extra = [as_rows(g) for g in extra_dys] + [dy2] * (2 - len(extra_dys))
     res2 = dy2 if residual_grad is None else as_rows(residual_grad)
-    config = norm_backward_config(n_rows, n_cols, x.device, "rms_norm")
+    sms = num_sms(x.device, sm_count)
+    config = norm_backward_config(n_rows, n_cols, sms, "rms_norm")
     n_programs = config.n_programs
     dw_partial = (
-        new_partials(1, n_programs, n_cols, x.device)
+        new_partials(1, n_programs, n_cols, x.device, sms)
         if compute_dw
         else dx2  # never written: COMPUTE_DW=False
     )
@@ -332,7 +335,7 @@ def rms_norm_backward(
             res2.stride(0),
             GEMMA=gemma,
             COMPUTE_DW=compute_dw,
-            PAIRED=partial_layout(n_programs, x.device)[1],
+            PAIRED=partial_layout(n_programs, sms)[1],
             BLOCK_N=config.block_n,
             ROWS=config.rows,
             WEIGHT_FROM_CACHE=config.weight_from_cache,
@@ -354,12 +357,13 @@ def _forward(
     offset: float,
     gemma: bool,
     in_place_backward: bool,
+    sm_count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd); in_place_backward is for backward (see _norm_grads)."""
+    """(y, rstd); in_place_backward and sm_count are for backward (see _norm_grads)."""
     return rms_norm_forward(x, weight, eps, offset, gemma)
 
 
-def _forward_fake(x, weight, eps, offset, gemma, in_place_backward):
+def _forward_fake(x, weight, eps, offset, gemma, in_place_backward, sm_count=None):
     y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, gemma))
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
@@ -372,6 +376,7 @@ def _add_forward(
     offset: float,
     gemma: bool,
     in_place_backward: bool,
+    sm_count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, y, rstd). Without a branch h is residual itself, a view handed back so that its
     gradient joins the norm's in the same pass: eager path only (a custom op's output cannot
@@ -382,12 +387,16 @@ def _add_forward(
     return add_rms_norm_forward(residual, branch, weight, eps, offset, gemma)
 
 
-def _add_forward_fake(residual, branch, weight, eps, offset, gemma, in_place_backward):
+def _add_forward_fake(
+    residual, branch, weight, eps, offset, gemma, in_place_backward, sm_count=None
+):
     y, rstd = _forward_fake(residual, weight, eps, offset, gemma, in_place_backward)
     return residual.new_empty(residual.shape), y, rstd
 
 
-def _backward_fake(dy, extra_dys, x, weight, rstd, offset, gemma, compute_dw, residual_grad):
+def _backward_fake(
+    dy, extra_dys, x, weight, rstd, offset, gemma, compute_dw, residual_grad, sm_count
+):
     return x.new_empty(x.shape), weight.new_empty(weight.shape if compute_dw else (0,))
 
 
@@ -402,17 +411,18 @@ def _backward_launch(
     gemma: bool,
     compute_dw: bool,
     residual_grad: torch.Tensor | None,
+    sm_count: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw); dw empty unless compute_dw."""
     dx, dw = rms_norm_backward(
         dy, x, weight, rstd, offset, gemma, compute_dw, extra_dys=tuple(extra_dys),
-        residual_grad=residual_grad,
+        residual_grad=residual_grad, sm_count=sm_count,
     )  # fmt: skip
     return dx, dw if dw is not None else weight.new_empty(0)
 
 
 def _backward_in_place_fake(
-    dy, extra_dys, x, weight, rstd, offset, gemma, compute_dw, residual_grad
+    dy, extra_dys, x, weight, rstd, offset, gemma, compute_dw, residual_grad, sm_count
 ):
     return weight.new_empty(weight.shape if compute_dw else (0,))
 
@@ -428,11 +438,12 @@ def _backward_in_place_launch(
     gemma: bool,
     compute_dw: bool,
     residual_grad: torch.Tensor | None,
+    sm_count: int | None,
 ) -> torch.Tensor:
     """dw (empty unless compute_dw); dx is written over dy."""
     _, dw = rms_norm_backward(
         dy, x, weight, rstd, offset, gemma, compute_dw, dx=dy, extra_dys=tuple(extra_dys),
-        residual_grad=residual_grad,
+        residual_grad=residual_grad, sm_count=sm_count,
     )  # fmt: skip
     return dw if dw is not None else weight.new_empty(0)
 
@@ -449,7 +460,7 @@ def _norm_grads(
         dw = torch.zeros_like(weight) if compute_dw else None
         return (residual_grad if needs_dx else None), dw
     dy, extra = dys[0], list(dys[1:])
-    args = (extra, x, weight, rstd, ctx.offset, ctx.gemma, compute_dw, residual_grad)
+    args = (extra, x, weight, rstd, ctx.offset, ctx.gemma, compute_dw, residual_grad, ctx.sm_count)
     # dx over dy: only where the caller allowed it (dy must be read by nothing else, e.g. not
     # shared with a residual branch) and dx is wanted at all.
     if ctx.in_place_backward and needs_dx and dy.dtype == x.dtype and dy.is_contiguous():
@@ -460,37 +471,41 @@ def _norm_grads(
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _eps, offset, gemma, in_place_backward = inputs
-    _save(ctx, x, weight, output[1], offset, gemma, in_place_backward, weight_index=1)
+    x, weight, _eps, offset, gemma, in_place_backward, sm_count = inputs
+    _save(ctx, x, weight, output[1], offset, gemma, in_place_backward, sm_count, weight_index=1)
 
 
 @first_order_only
 def _backward(ctx, dy, _d_rstd, *extra_dys):
-    """Gradients of (x, weight, eps, offset, gemma, in_place_backward)."""
+    """Gradients of (x, weight, eps, offset, gemma, in_place_backward, sm_count)."""
     dx, dw = _norm_grads(ctx, (dy, *extra_dys), None, ctx.needs_input_grad[0])
-    return dx, dw, None, None, None, None
+    return dx, dw, None, None, None, None, None
 
 
 def _add_setup_context(ctx, inputs, output):
-    _residual, _branch, weight, _eps, offset, gemma, in_place_backward = inputs
-    _save(ctx, output[0], weight, output[2], offset, gemma, in_place_backward, weight_index=2)
+    _residual, _branch, weight, _eps, offset, gemma, in_place_backward, sm_count = inputs
+    h, rstd = output[0], output[2]
+    _save(ctx, h, weight, rstd, offset, gemma, in_place_backward, sm_count, weight_index=2)
 
 
 @first_order_only
 def _add_backward(ctx, dh, dy, _d_rstd, *extra_dys):
-    """Gradients of (residual, branch, weight, eps, offset, gemma, in_place_backward): both
-    summands get the sum's gradient, h's own plus the norm's."""
+    """Gradients of (residual, branch, weight, eps, offset, gemma, in_place_backward, sm_count):
+    both summands get the sum's gradient, h's own plus the norm's."""
     needs_residual, needs_branch = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dw = _norm_grads(ctx, (dy, *extra_dys), dh, needs_residual or needs_branch)
-    return dx if needs_residual else None, dx if needs_branch else None, dw, None, None, None, None
+    return dx if needs_residual else None, dx if needs_branch else None, dw, *(None,) * 5
 
 
-def _save(ctx, x, weight, rstd, offset, gemma, in_place_backward, *, weight_index) -> None:
+def _save(
+    ctx, x, weight, rstd, offset, gemma, in_place_backward, sm_count, *, weight_index
+) -> None:
     """Saves the norm's input, weight and rstd: nothing else is kept for backward."""
     ctx.mark_non_differentiable(rstd)
     ctx.set_materialize_grads(False)  # consumers that gave no gradient come back as None
     ctx.save_for_backward(x, weight, rstd)
     ctx.offset, ctx.gemma, ctx.in_place_backward = offset, gemma, in_place_backward
+    ctx.sm_count = sm_count
     ctx.weight_index = weight_index
 
 
@@ -542,11 +557,15 @@ def rms_norm(
     offset: float = 0.0,
     casting: str = "llama",
     in_place_backward: bool = False,
+    sm_count: int | None = None,
 ) -> torch.Tensor:
-    """Fused RMSNorm over the last dim of x (any leading shape). See the module docstring."""
+    """Fused RMSNorm over the last dim of x (any leading shape). See the module docstring.
+    sm_count: the SMs of the GPU x stands for, which size backward's dW partials (None: x's
+    device's; meta tensors have none)."""
     return rms_norm_per_consumer(
-        x, weight, eps, offset=offset, casting=casting, in_place_backward=in_place_backward
-    )[0]
+        x, weight, eps, offset=offset, casting=casting, in_place_backward=in_place_backward,
+        sm_count=sm_count,
+    )[0]  # fmt: skip
 
 
 def rms_norm_per_consumer(
@@ -558,14 +577,17 @@ def rms_norm_per_consumer(
     offset: float = 0.0,
     casting: str = "llama",
     in_place_backward: bool = False,
+    sm_count: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """rms_norm's output once per consumer (1-3): equal views of one tensor, whose gradients the
     backward sums in its own pass (e.g. q, k and v projections of one normalized input). Under
-    torch.compile the same tensor is repeated and autograd sums the gradients."""
+    torch.compile the same tensor is repeated and autograd sums the gradients. sm_count as in
+    rms_norm."""
     _check_args(x, weight, casting, consumers)
     # The kernels read the weight with unit stride; autograd sends its gradient through the copy.
     weight = weight.contiguous()
-    args = (x, weight, float(eps), float(offset), casting == "gemma", in_place_backward)
+    gemma = casting == "gemma"
+    args = (x, weight, float(eps), float(offset), gemma, in_place_backward, sm_count)
     return RMS_NORM.fanned_out(*args, consumers=consumers)[1]
 
 
@@ -579,19 +601,20 @@ def add_rms_norm(
     offset: float = 0.0,
     casting: str = "llama",
     in_place_backward: bool = False,
+    sm_count: int | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """(h, ys): h = residual + branch (the next residual stream, in their dtype) and ys =
     rms_norm(h) once per consumer as in rms_norm_per_consumer, from one read of residual and
     branch. Backward adds h's own gradient to the norm's input gradient in the same pass.
     residual and branch must have one shape and dtype. Without a branch h is residual (a view of
     it: the first layer's residual stream, whose gradient then joins the norm's in the same pass
-    too)."""
+    too). sm_count as in rms_norm."""
     _check_args(residual, weight, casting, consumers)
     if branch is None:
         if use_custom_op(residual):  # a custom op cannot return a view of its input
             return residual, rms_norm_per_consumer(
                 residual, weight, eps, consumers=consumers, offset=offset, casting=casting,
-                in_place_backward=in_place_backward,
+                in_place_backward=in_place_backward, sm_count=sm_count,
             )  # fmt: skip
     elif branch.shape != residual.shape or branch.dtype != residual.dtype:
         raise UsageError(
@@ -602,7 +625,7 @@ def add_rms_norm(
         check_floating("add_rms_norm", branch)
     weight = weight.contiguous()
     args = (residual, branch, weight, float(eps), float(offset), casting == "gemma")
-    (h, *_), ys = ADD_RMS_NORM.fanned_out(*args, in_place_backward, consumers=consumers)
+    (h, *_), ys = ADD_RMS_NORM.fanned_out(*args, in_place_backward, sm_count, consumers=consumers)
     return h, ys
 
 

@@ -102,11 +102,13 @@ def swiglu(
     *,
     in_place_backward: bool = False,
     down: torch.nn.Module | None = None,
+    autocast: torch.dtype | None = None,
 ) -> torch.Tensor:
     """silu(gate) * up, fused; gate and up of the same shape and dtype (any leading shape).
     With `down` (an nn.Linear): down(product), the product recomputed in backward instead of
-    kept (memplan.kernels._glu)."""
-    return _SWIGLU(gate, up, in_place_backward=in_place_backward, down=down)
+    kept (memplan.kernels._glu) unless autocast is on (gate's device's, or `autocast`, its dtype
+    where the caller knows it)."""
+    return _SWIGLU(gate, up, in_place_backward=in_place_backward, down=down, autocast=autocast)
 
 
 class SwiGLU(GatedMLP):

@@ -146,6 +146,7 @@ def apply(
     seq: int | None = None,
     gpu: str | None = None,
     setup: Mapping[str, Any] | None = None,
+    device_facts: forwards.DeviceFacts = forwards.ON_DEVICE,
 ) -> AppliedPatch:
     """Patch a built transformers causal LM (or a PEFT / DDP / torch.compile wrapper of one)
     in place with memplan's kernels and return what was applied.
@@ -156,9 +157,10 @@ def apply(
     `kernels` and `flce_chunk` / `flce_memory_budget` (bytes FLCE may hold beyond dX and dW;
     it then picks its chunk and schedule) override the plan. `setup` gives the advisor what the
     model does not show (e.g. precision="amp-bf16" under autocast, grad_checkpointing=True
-    switched on later, optimizer, grad_accum); the rest is read off the model. Applying the
-    same thing twice changes nothing; applying something else first reverts the previous
-    patch."""
+    switched on later, optimizer, grad_accum); the rest is read off the model. `device_facts`
+    tells the kernels what the tensors cannot (the SM count and autocast of the GPU that meta
+    tensors stand for); by default they ask the tensors' device. Applying the same thing twice
+    changes nothing; applying something else first reverts the previous patch."""
     hf_model = unwrap(model)
     spec = spec_for(hf_model)
     _check_device(hf_model)
@@ -197,7 +199,7 @@ def apply(
 
     # The plan is part of what was asked: the same kernels under another plan (other advice on
     # batch split or checkpointing) are reported with that plan.
-    request = (chosen, flce_chunk, flce_memory_budget, resolved_plan)
+    request = (chosen, flce_chunk, flce_memory_budget, resolved_plan, device_facts)
     state: _State | None = getattr(hf_model, _STATE_ATTR, None)
     if state is not None and state.request == request:
         return state.applied
@@ -206,7 +208,14 @@ def apply(
     originals = {id(i.module): i for i in state.installed} if state is not None else {}
     handoffs: dict[int, forwards.PrenormedHandoff] = {}
     targets = _plan_targets(
-        hf_model, spec, chosen, functions, (flce_chunk, flce_memory_budget), originals, handoffs
+        hf_model,
+        spec,
+        chosen,
+        functions,
+        (flce_chunk, flce_memory_budget),
+        originals,
+        handoffs,
+        device_facts,
     )
     modules: dict[str, list[str]] = {k: [] for k in chosen}
     for target in targets:
@@ -246,15 +255,19 @@ def apply(
     return applied
 
 
-def apply_setup_kernels(model: nn.Module, setup: TrainSetup) -> AppliedPatch:
+def apply_setup_kernels(
+    model: nn.Module, setup: TrainSetup, device_facts: forwards.DeviceFacts = forwards.ON_DEVICE
+) -> AppliedPatch:
     """A setup's kernels exactly as it names them (no plan), with its FLCE chunk or budget: how
-    a measured run (verify's worker) and the traced step patch a model."""
+    a measured run (verify's worker) and the traced step (with the facts of the GPU its meta
+    tensors stand for) patch a model."""
     return apply(
         model,
         plan=None,
         kernels=list(setup.kernels),
         flce_chunk=setup.flce_chunk,
         flce_memory_budget=setup.flce_memory_budget,
+        device_facts=device_facts,
     )
 
 
@@ -505,6 +518,7 @@ def _plan_targets(
     flce_setting: tuple[int | None, int | None],
     originals: Mapping[int, _Installed],
     handoffs: dict[int, forwards.PrenormedHandoff],
+    facts: forwards.DeviceFacts,
 ) -> list[_Target]:
     """Every module to patch with its new forward; raises before anything is changed. Fills
     `handoffs` with one PrenormedHandoff per patched norm."""
@@ -520,7 +534,7 @@ def _plan_targets(
             if "rms_norm" in chosen and cls in spec.norm.classes and _scaled(module, spec):
                 _require(module, ("weight", spec.norm.eps_attr))
                 handoff = handoffs.setdefault(id(module), forwards.PrenormedHandoff(module))
-                forward = forwards.norm_forward(spec.norm, functions["rms_norm"], handoff)
+                forward = forwards.norm_forward(spec.norm, functions["rms_norm"], handoff, facts)
                 targets.append(_Target(name, module, ("rms_norm",), forward))
             elif "rope" in chosen and cls in spec.attention.classes:
                 needed = ["config", "head_dim", "scaling", "layer_idx", "o_proj"]
@@ -569,7 +583,7 @@ def _plan_targets(
                     activation = getattr(hf_model.config, spec.mlp.activation_config_attr)
                     approximate = _gelu_approximation(module, activation)
                     glu_function = functools.partial(glu_function, approximate=approximate)
-                forward = forwards.mlp_forward(spec.mlp, glu_function)
+                forward = forwards.mlp_forward(spec.mlp, glu_function, facts)
                 targets.append(_Target(name, module, (glu,), forward))
             elif embedding is not None and module is embedding:
                 scale = (
@@ -591,6 +605,7 @@ def _plan_targets(
                     cross_entropy=functions.get("cross_entropy"),
                     flce_chunk=flce_setting[0],
                     flce_memory_budget=flce_setting[1],
+                    facts=facts,
                 )
                 original = types.MethodType(type(module).forward, module)
                 forward = forwards.causal_lm_forward(spec.causal_lm, original, kernels)
@@ -598,7 +613,7 @@ def _plan_targets(
         except (AttributeError, TypeError, ValueError) as exc:
             raise _layout_error(name or cls, module, spec, exc) from exc
     if "rms_norm" in chosen and spec.decoder_layer is not None:
-        targets += _decoder_layer_targets(hf_model, spec, targets, handoffs)
+        targets += _decoder_layer_targets(hf_model, spec, targets, handoffs, facts)
     _check_forwards_are_free(hf_model, targets, originals)
     return targets
 
@@ -615,6 +630,7 @@ def _decoder_layer_targets(
     spec: PatchSpec,
     targets: Sequence[_Target],
     handoffs: Mapping[int, forwards.PrenormedHandoff],
+    facts: forwards.DeviceFacts,
 ) -> list[_Target]:
     """The decoder layers whose two norms memplan patches, with their residual adds fused into
     the norms (forwards.decoder_layer_forward), wired to the modules around them."""
@@ -674,7 +690,7 @@ def _decoder_layer_targets(
             next_inputs=next_inputs,
             next_handoff=handoffs[id(next_norm)] if next_norm is not None else None,
         )
-        forward = forwards.decoder_layer_forward(layer_spec, spec.norm, norm_kernels, wiring)
+        forward = forwards.decoder_layer_forward(layer_spec, spec.norm, norm_kernels, wiring, facts)
         result.append(_Target(name, layer, ("rms_norm",), forward))
     return result
 

@@ -74,21 +74,45 @@ class PrenormedHandoff:
         return self._source is None
 
 
-def _norm_options(spec: NormSpec) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """What the kernels are told of the GPU their tensors stand for, where the tensors cannot
+    say: the traced step (memplan/traced) runs the patched model on meta tensors, which have no
+    SMs and no autocast of their own. None: ask the tensors' device (a run on the GPU).
+
+    sm_count: the GPU's SMs (they size the norms' backward scratch).
+    autocast: the emulated autocast's dtype at the time of the call, None while it is off."""
+
+    sm_count: int | None = None
+    autocast: Callable[[], torch.dtype | None] | None = None
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype autocast runs in now, where these facts say (None: the device's own)."""
+        return self.autocast() if self.autocast is not None else None
+
+
+ON_DEVICE = DeviceFacts()
+
+
+def _norm_options(spec: NormSpec, facts: DeviceFacts) -> dict[str, Any]:
     return {
         "offset": spec.offset,
         "casting": spec.casting,
         "in_place_backward": spec.in_place_backward,
+        "sm_count": facts.sm_count,
     }
 
 
 def norm_forward(
-    spec: NormSpec, rms_norm: Callable[..., torch.Tensor], handoff: PrenormedHandoff
+    spec: NormSpec,
+    rms_norm: Callable[..., torch.Tensor],
+    handoff: PrenormedHandoff,
+    facts: DeviceFacts = ON_DEVICE,
 ) -> Forward:
     """The norm's forward: the output a decoder layer left in `handoff` for this input, else
     the kernel."""
     eps_attr = spec.eps_attr
-    options = _norm_options(spec)
+    options = _norm_options(spec, facts)
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         prenormed = handoff.take(self, hidden_states)
@@ -121,14 +145,17 @@ def output_dropout(module: nn.Module, out: torch.Tensor, dropout_attr: str | Non
 
 
 def mlp_forward(
-    spec: MlpSpec, glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    spec: MlpSpec,
+    glu: Callable[..., torch.Tensor],
+    facts: DeviceFacts = ON_DEVICE,
 ) -> Forward:
     dropout_attr = spec.output_dropout_attr
     if spec.fused_gate_up:
 
         def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return output_dropout(self, glu(gate, up, down=self.down_proj), dropout_attr)
+            out = glu(gate, up, down=self.down_proj, autocast=facts.autocast_dtype())
+            return output_dropout(self, out, dropout_attr)
 
     else:
         # gate and up are fresh projection outputs that nothing else reads (a Linear's backward
@@ -138,7 +165,8 @@ def mlp_forward(
         ) -> torch.Tensor:
             x_gate, x_up = projection_inputs.get(PROJECTION_INPUTS, (x, x))
             gate, up = self.gate_proj(x_gate), self.up_proj(x_up)
-            out = glu(gate, up, in_place_backward=True, down=self.down_proj)
+            autocast = facts.autocast_dtype()
+            out = glu(gate, up, in_place_backward=True, down=self.down_proj, autocast=autocast)
             return output_dropout(self, out, dropout_attr)
 
     return forward
@@ -172,6 +200,7 @@ def decoder_layer_forward(
     norm_spec: NormSpec,
     norm_kernels: tuple[Callable[..., Any], Callable[..., Any]],
     wiring: LayerWiring,
+    facts: DeviceFacts = ON_DEVICE,
 ) -> Forward:
     """The pre-norm decoder layer of DecoderLayerSpec, with each residual add fused into the norm
     after it. The add that ends the layer runs with the next norm, in this layer: its result goes
@@ -182,7 +211,7 @@ def decoder_layer_forward(
     consumed_norm, add_norm = norm_kernels
     checkpoints_in_forward = layers_checkpoint_in_forward()
     eps_attr = norm_spec.eps_attr
-    options = _norm_options(norm_spec)
+    options = _norm_options(norm_spec, facts)
     dropouts = spec.branch_dropouts
     multiplier_attr = spec.residual_multiplier_attr
     router_scores_returned = spec.mlp_returns_router_scores
@@ -539,11 +568,13 @@ class LossKernels:
         cross_entropy: Callable[..., torch.Tensor] | None,
         flce_chunk: int | None,
         flce_memory_budget: int | None = None,
+        facts: DeviceFacts = ON_DEVICE,
     ) -> None:
         self.flce = flce
         self.cross_entropy = cross_entropy
         self.flce_chunk = flce_chunk
         self.flce_memory_budget = flce_memory_budget
+        self.facts = facts
 
 
 def causal_lm_forward(spec: CausalLMSpec, original: Forward, kernels: LossKernels) -> Forward:
@@ -734,6 +765,7 @@ def _loss(
             chunk_size=kernels.flce_chunk,
             memory_budget=kernels.flce_memory_budget,
             prefetched=prefetched,
+            autocast=kernels.facts.autocast_dtype(),
         )
     logits = lm_head(hidden)
     cross_entropy = kernels.cross_entropy

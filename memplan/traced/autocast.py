@@ -143,8 +143,9 @@ class Autocast:
         self._cache.clear()
 
     def apply(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The arguments `func` runs with under autocast."""
-        if not self.enabled:
+        """The arguments `func` runs with under autocast: as called with `out=` (autocast
+        registers the ops' functional overloads only; their out= ones run as called)."""
+        if not self.enabled or kwargs.get("out") is not None:
             return args, kwargs
         name = getattr(func, "__name__", "")
         if name in LOWER_PRECISION:

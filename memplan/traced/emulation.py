@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from memplan.kernels._op import EAGER_FUNCTIONS
 from memplan.traced import sdpa
 from memplan.traced.autocast import Autocast
 
@@ -43,10 +42,6 @@ class CudaSemantics(TorchFunctionMode):
             args, kwargs = self.autocast.apply(func, args, kwargs)
         if func is _DROPOUT:
             return _dropout(*args, **kwargs)
-        if isinstance(func, torch._ops.OpOverload) and func.namespace == "memplan":
-            eager = EAGER_FUNCTIONS.get(func._schema.name)
-            if eager is not None and not kwargs:  # the eager path the GPU runs, not the custom op's
-                return eager.apply(*args, 1)
         if func is _SDPA:
             kernel, out = sdpa.route(*args, **kwargs, compute_capability=self.compute_capability)
             self.kernels[kernel] += 1

@@ -8,13 +8,16 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memplan.errors import MemplanError
 from memplan.schema import TrainSetup
 from memplan.verify import protocol
+
+if TYPE_CHECKING:
+    from memplan.patching.forwards import DeviceFacts
 
 # What peft adapts when no --lora-targets is given, for the families whose attention projections
 # peft's own table does not name (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING is
@@ -76,10 +79,15 @@ def build_model(
     *,
     trust_remote_code: bool = False,
     checkpoint_context: Callable[[], tuple[Any, Any]] | None = None,
+    device_facts: DeviceFacts | None = None,
+    on_built: Callable[[Any], None] | None = None,
 ) -> Any:
-    """The model on the meta device, in training mode, with checkpointing and LoRA as the setup
-    asks. `checkpoint_context` is torch.utils.checkpoint's context_fn (the traced autocast uses
-    it to open an autocast region around each layer's recomputation, as torch does on CUDA)."""
+    """The model on the meta device, in training mode, with checkpointing, LoRA and memplan's
+    kernels as the setup asks. `checkpoint_context` is torch.utils.checkpoint's context_fn (the
+    traced autocast uses it to open an autocast region around each layer's recomputation, as
+    torch does on CUDA); `device_facts` tells the kernels what the meta tensors cannot: the
+    GPU's SM count and the emulated autocast; `on_built` is called with the model transformers
+    built, before LoRA adds its adapters (the order the GPU allocates them in)."""
     from transformers import AutoModelForCausalLM
 
     model_type = getattr(config, "model_type", "model")
@@ -96,6 +104,8 @@ def build_model(
             f"transformers could not build {model_type} from this config: {_first_line(exc)}"
         ) from exc
     model.train()
+    if on_built is not None:
+        on_built(model)
     try:
         if setup.grad_checkpointing:
             kwargs: dict[str, Any] = {"use_reentrant": False}
@@ -106,7 +116,7 @@ def build_model(
         if setup.lora_rank is not None:
             model = _with_lora(model, setup)
         if setup.kernels:
-            _with_kernels(model, setup)
+            _with_kernels(model, setup, device_facts)
     except MemplanError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -138,12 +148,13 @@ def _with_lora(model: Any, setup: TrainSetup) -> Any:
         ) from exc
 
 
-def _with_kernels(model: Any, setup: TrainSetup) -> None:
-    """memplan's kernels patched in as the worker patches them; their launchers then run on the
-    meta tensors (traced/tracker.py)."""
+def _with_kernels(model: Any, setup: TrainSetup, device_facts: DeviceFacts | None) -> None:
+    """memplan's kernels patched in as the worker patches them; their eager paths then run on
+    the meta tensors, allocating what they allocate on the GPU (memplan.kernels._op)."""
     from memplan.patching.engine import apply_setup_kernels
+    from memplan.patching.forwards import ON_DEVICE
 
-    applied = apply_setup_kernels(model, setup)
+    applied = apply_setup_kernels(model, setup, device_facts or ON_DEVICE)
     missing = set(setup.kernels) - set(applied.kernels)
     if missing:
         raise MemplanError(f"kernels {', '.join(sorted(missing))} do not apply to this model")

@@ -19,6 +19,7 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.estimators.timeline import cublas_workspace_bytes
+from memplan.patching.forwards import DeviceFacts
 from memplan.schema import Gpu, TrainSetup
 from memplan.traced.autocast import Autocast
 from memplan.traced.emulation import CudaSemantics
@@ -245,13 +246,18 @@ def trace_steps(
 
     amp = AMP_DTYPES.get(setup.precision)
     regions = _CheckpointRegions()
-    model = build_model(
-        config, setup, trust_remote_code=trust_remote_code, checkpoint_context=regions
-    )
     recorder = Recorder(workspace_bytes=cublas_workspace_bytes(gpu))
     run = TracedRun(recorder=recorder, step_starts=[])
     autocast = (
         Autocast(amp, on_cached=lambda t: _tag(recorder, t, "autocast_cache")) if amp else None
+    )
+    model = build_model(
+        config,
+        setup,
+        trust_remote_code=trust_remote_code,
+        checkpoint_context=regions,
+        device_facts=device_facts(gpu, autocast),
+        on_built=lambda built: record_build(recorder, built),
     )
     capability = gpu.compute_capability if gpu else (9, 0)
     semantics = CudaSemantics(autocast, capability)
@@ -260,7 +266,7 @@ def trace_steps(
     rotary_hooks = rotary_embeddings_without_autocast(model, autocast)
     where = recorder.where
 
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in [*model.parameters(), *model.buffers()]:  # LoRA's adapters: made after
         recorder.track(tensor, "weights")
     params = [p for p in model.parameters() if p.requires_grad]
     run.params = sum(p.numel() for p in model.parameters())
@@ -295,6 +301,38 @@ def trace_steps(
     run.attention_kernels = dict(semantics.kernels)
     run.attention_calls = dict(semantics.calls)
     return run
+
+
+def record_build(recorder: Recorder, model: Any) -> None:
+    """The weights as the GPU's build allocates them: every parameter and buffer in registration
+    order, then, where the output embedding is tied to the input embedding, a block of the
+    embedding's size allocated and released (transformers gives the head a weight of its own
+    before tying it: every tied model's H100 allocation trace has it; the cached block is where
+    large tensors of the first step land)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        recorder.track(tensor, "weights")
+    tied = tied_head_bytes(model)
+    if tied:
+        recorder.free(recorder.alloc(tied, "transient"))
+
+
+def tied_head_bytes(model: Any) -> int:
+    """Bytes of the output embedding's weight where it is the input embedding's, else 0."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None or embedding is None or weight is not getattr(embedding, "weight", None):
+        return 0
+    return weight.untyped_storage().nbytes()
+
+
+def device_facts(gpu: Gpu | None, autocast: Autocast | None) -> DeviceFacts:
+    """What memplan's kernels are told of the GPU the meta tensors stand for: its SM count and
+    the emulated autocast's dtype while it is on."""
+
+    def autocast_dtype() -> torch.dtype | None:
+        return autocast.dtype if autocast is not None and autocast.enabled else None
+
+    return DeviceFacts(sm_count=gpu.sm_count if gpu else None, autocast=autocast_dtype)
 
 
 def rotary_embeddings_without_autocast(model: Any, autocast: Autocast | None) -> list[Any]:

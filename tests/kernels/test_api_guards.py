@@ -112,11 +112,29 @@ def test_integer_inputs_are_refused(device):
 
 
 def test_flce_on_meta_tensors():
+    """Meta targets hold no values: every row is taken to have one. Meta tensors have no
+    autocast: the caller names its dtype, and hidden and weight are cast to it, as under CUDA
+    autocast."""
     hidden = torch.empty(6, 16, device="meta", requires_grad=True)
     weight = torch.empty(50, 16, device="meta", requires_grad=True)
     target = torch.zeros(6, dtype=torch.long, device="meta")
     loss = fused_linear_cross_entropy(hidden, weight, target)
     assert loss.device.type == "meta" and loss.shape == ()
+    (d_weight,) = torch.autograd.grad(loss, weight)
+    assert d_weight.dtype == torch.float32
+    cast = fused_linear_cross_entropy(hidden, weight, target, autocast=torch.bfloat16)
+    inputs = {type(node).__name__ for node, _ in cast.grad_fn.next_functions if node}
+    assert inputs == {"ToCopyBackward0"}
+
+
+def test_meta_tensors_overlap_where_their_storage_spans_do():
+    """Meta tensors have no addresses (data_ptr() is 0 for all): overlap is read from their
+    storages and offsets."""
+    from memplan.kernels._utils import memory_overlaps
+
+    t = torch.empty(8, 4, device="meta")
+    assert memory_overlaps(t[:5], t[4:]) and not memory_overlaps(t[:4], t[4:])
+    assert not memory_overlaps(t, torch.empty(8, 4, device="meta"))
 
 
 def test_rope_refuses_cos_sin_that_do_not_fit(device):

@@ -219,13 +219,25 @@ def test_saved_bytes_match_contract(device, module_cls, dtype, saved_storage_byt
 
 
 @pytest.mark.parametrize("op", [swiglu, geglu])
-def test_meta_tensors_go_through_the_custom_op(op):
+def test_meta_tensors_take_the_eager_path(op):
+    """On meta tensors the launchers run (and launch nothing), deciding as on the GPU: the
+    gradients go over fresh gate and up (their storages tell them apart: meta tensors have no
+    addresses), and with `down` the product is recomputed in backward unless autocast is on."""
     gate = torch.empty(3, 40, device="meta", requires_grad=True)
     up = torch.empty(3, 40, device="meta", requires_grad=True)
     out = op(gate, up, in_place_backward=True)
     assert out.is_meta and out.shape == gate.shape
     d_gate, d_up = torch.autograd.grad(out, (gate, up), torch.empty_like(out))
     assert d_gate.shape == gate.shape and d_up.shape == up.shape
+    fresh_gate, fresh_up = gate * 1, up * 1
+    out = op(fresh_gate, fresh_up, in_place_backward=True)
+    d_gate, d_up = torch.autograd.grad(out, (fresh_gate, fresh_up), torch.empty_like(out))
+    assert d_gate.untyped_storage() is fresh_gate.untyped_storage()
+    assert d_up.untyped_storage() is fresh_up.untyped_storage()
+    down = torch.nn.Linear(40, 8, bias=False, device="meta")
+    assert type(op(gate, up, down=down).grad_fn).__name__ == "_DownProjectedBackward"
+    under_autocast = op(gate, up, down=down, autocast=torch.bfloat16).grad_fn
+    assert type(under_autocast).__name__ != "_DownProjectedBackward"
 
 
 def test_mismatched_inputs_raise_usage_error():

@@ -157,13 +157,39 @@ def test_custom_op_path_matches_eager_path(device):
         assert torch.equal(a, b)
 
 
-def test_meta_tensors_go_through_the_custom_op():
+def test_meta_tensors_take_the_eager_path():
     x = torch.empty(4, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     w = torch.empty(16, device="meta", requires_grad=True)
     y = rms_norm(x, w, 1e-6)
     assert y.is_meta and y.shape == x.shape and y.dtype == torch.float32
     dx, dw = torch.autograd.grad(y, (x, w), torch.empty_like(y))
     assert dx.is_meta and dx.shape == x.shape and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("sms, partial_rows", [(132, 128), (108, 108), (None, 4)])
+def test_the_dw_partials_are_sized_by_the_sm_count_given(sms, partial_rows):
+    """Meta tensors have no device to ask for its SMs: the caller names the GPU's (the traced
+    step: the catalog's), else the interpreter's 4. 4096 rows of 2048: 2 programs per SM (256
+    of 16 rows for 132 SMs), pairs sharing a partial row where they outnumber the SMs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("zeros", "empty", "new_empty"):
+                self.made.append(tuple(out.shape))
+            return out
+
+    x = torch.empty(4096, 2048, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(2048, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    y = rms_norm(x * 1, w, 1e-6, sm_count=sms)
+    with Shapes() as shapes:
+        torch.autograd.grad(y, (x, w), torch.empty_like(y))
+    assert (1, partial_rows, 2048) in shapes.made
 
 
 def test_bad_arguments_raise_usage_errors():
@@ -187,8 +213,8 @@ def test_paired_partials_are_exact_and_deterministic(device, n_rows):
     from memplan.kernels._norm_weight_grad import partial_layout
     from memplan.kernels._utils import norm_backward_config, num_sms
 
-    n_programs = norm_backward_config(n_rows, 1024, torch.device(device), "rms_norm").n_programs
-    rows, paired = partial_layout(n_programs, torch.device(device))
+    n_programs = norm_backward_config(n_rows, 1024, num_sms(device), "rms_norm").n_programs
+    rows, paired = partial_layout(n_programs, num_sms(device))
     assert rows <= num_sms(device) and paired == (n_programs > num_sms(device))
     torch.manual_seed(n_rows)
     x = torch.randn(n_rows, 1024, device=device, requires_grad=True)

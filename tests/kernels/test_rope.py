@@ -216,7 +216,9 @@ def test_saved_bytes_match_contract(device):
     assert sum(storages.values()) == rope_saved_bytes(batch * seq, head_dim, 2)
 
 
-def test_meta_tensors_go_through_the_custom_op():
+def test_meta_tensors_take_the_eager_path():
+    """On meta tensors the launcher runs (and launches nothing): outputs laid out as on the GPU,
+    and with in_place q and k rotated in their own memory, as the traced step records it."""
     q = torch.empty(2, 9, 4, 16, device="meta").transpose(1, 2).requires_grad_()
     k = torch.empty(2, 9, 2, 16, device="meta").transpose(1, 2).requires_grad_()
     cos = sin = torch.empty(1, 9, 16, device="meta")
@@ -225,6 +227,10 @@ def test_meta_tensors_go_through_the_custom_op():
     dq, dk = torch.autograd.grad((q_out, k_out), (q, k), (torch.ones_like(q_out),
                                                            torch.ones_like(k_out)))  # fmt: skip
     assert dq.shape == q.shape and dk.shape == k.shape
+    fresh_q, fresh_k = q * 1, k * 1  # projection outputs, not leaves: rotated in place
+    q_out, k_out = rope(fresh_q, fresh_k, cos, sin, in_place=True)
+    assert q_out.untyped_storage() is fresh_q.untyped_storage()
+    assert k_out.untyped_storage() is fresh_k.untyped_storage()
 
 
 def test_bad_shapes_raise_usage_errors():

@@ -205,3 +205,57 @@ def test_softmax_backward_forms_its_product_beside_its_output(dtype: torch.dtype
     ]
     before = recorder.records[: recorder.records.index(transients[0])]
     assert before[-1].action == "alloc"  # d(scores), alive with the product
+
+
+@pytest.mark.parametrize("family, tied", [("llama", True), ("mixtral", False)])
+def test_the_build_gives_a_tied_head_a_weight_of_its_own_first(family: str, tied: bool) -> None:
+    """As the GPU's build does (every tied model's H100 allocation trace): the weights in
+    registration order, then a block of the embedding's size made and released where the head
+    is tied to the embedding; LoRA's adapters after that."""
+
+    def weights(run: TracedRun) -> list:
+        return [r for r in run.recorder.records if run.recorder.storages[r.key].tag == "weights"]
+
+    built = len(weights(traced(family)))
+    run = traced(family, lora_rank=4, lora_targets=("q_proj",))
+    records = run.recorder.records
+    last_built, first_adapter = (records.index(r) for r in weights(run)[built - 1 : built + 1])
+    between = [(r.action, r.nbytes) for r in records[last_built + 1 : first_adapter]]
+    embedding_bytes = 256 * 64 * 2
+    assert between == ([("alloc", embedding_bytes), ("free", embedding_bytes)] if tied else [])
+
+
+def test_autograd_sums_a_tensors_gradients_in_place_where_cuda_does() -> None:
+    """x feeds two products: autograd adds the second gradient into the first (CUDA's
+    InputBuffer::accumulate), making no third block; where the gradients are shared with other
+    tensors (here views a hook keeps) it adds out of place."""
+
+    def gradient_blocks(keep_views: bool) -> int:
+        recorder = Recorder()
+        x = torch.empty(64, 32, device="meta", requires_grad=True)
+        kept: list[torch.Tensor] = []
+        with AllocationTracker(recorder):
+            y, z = x * 2, x * 3
+            if keep_views:
+                for node in (y.grad_fn, z.grad_fn):
+                    node.register_hook(lambda grads, _: kept.append(grads[0][:1]))
+            torch.autograd.backward([y, z], [torch.ones_like(y), torch.ones_like(z)])
+        size = x.numel() * x.element_size()
+        blocks = [r for r in recorder.records if r.action == "alloc" and r.nbytes == size]
+        return len(blocks) - 4  # y, z and the two gradients given for them
+
+    assert gradient_blocks(keep_views=False) == 2
+    assert gradient_blocks(keep_views=True) == 3
+
+
+def test_autocast_runs_out_variants_as_called() -> None:
+    """CUDA autocast registers the ops' functional overloads only: an addmm into an fp32 `out`
+    (FLCE's fp32 accumulator under amp) keeps its fp32 output, where a cast copy would not
+    take the result."""
+    autocast = Autocast(torch.bfloat16, enabled=True)
+    a = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
+    out = torch.empty(4, 4, device="meta")
+    args, kwargs = autocast.apply(torch.addmm, (out, a, a.t()), {"out": out})
+    assert args[0] is out and kwargs["out"] is out
+    args, _ = autocast.apply(torch.addmm, (out, a, a.t()), {})
+    assert args[0].dtype == torch.bfloat16
