@@ -1,15 +1,15 @@
-"""The fit verdict from the traced step's event stream against the analytic walk's and the GPU:
-each case of the fit grid (benchmarks/results_fit_grid_predictions_h100.json, measured in
-results_fit_grid_h100.json) and of the recorded allocator traces (tests/data/allocator_traces)
-traced on the CPU (memplan/traced, the protocol's steps), replayed through the allocator model
-at the H100's measured capacity, and put beside the analytic first prediction and the
-measurement.
+"""The fit verdict from the traced step's event stream against the first predictions and the
+GPU: each case of a GPU's fit grid (benchmarks/results_fit_grid_predictions_GPU.json, measured
+in results_fit_grid_GPU.json) and, on the H100, of the recorded allocator traces
+(tests/data/allocator_traces), traced on the CPU (memplan/traced, the protocol's steps),
+replayed through the allocator model at the GPU's measured capacity, and put beside the first
+prediction and the measurement.
 
-    python benchmarks/traced_verdict.py run [--out FILE] [--only REGEX]
+    python benchmarks/traced_verdict.py run [--gpu h100|h200] [--out FILE] [--only REGEX]
     python benchmarks/traced_verdict.py table [FILE]
 
 `run` needs no GPU (a few seconds a case) and writes FILE
-(default benchmarks/results_traced_verdict_h100.json); `table` prints it as markdown
+(default benchmarks/results_traced_verdict_GPU.json); `table` prints it as markdown
 (docs/fit_verdict.md)."""
 
 from __future__ import annotations
@@ -31,14 +31,25 @@ from memplan.catalog import resolve_gpu  # noqa: E402
 from memplan.estimators.allocator import AllocatorSettings, replay  # noqa: E402
 from memplan.schema import Measurement, Report, TrainSetup  # noqa: E402
 
-PREDICTIONS = REPO / "benchmarks/results_fit_grid_predictions_h100.json"
-MEASURED = REPO / "benchmarks/results_fit_grid_h100.json"
-TRACES = REPO / "tests/data/allocator_traces"
-OUT = REPO / "benchmarks/results_traced_verdict_h100.json"
+TRACES = REPO / "tests/data/allocator_traces"  # recorded on an H100
+
+
+def grid_files(gpu: str) -> tuple[Path, Path]:
+    """The fit grid's first predictions and measurements on `gpu` (h100, h200)."""
+    return (
+        REPO / f"benchmarks/results_fit_grid_predictions_{gpu}.json",
+        REPO / f"benchmarks/results_fit_grid_{gpu}.json",
+    )
 
 
 def traced_replay(
-    model: str, model_type: str, hf_config: dict, setup: TrainSetup, steps: int, capacity: int
+    model: str,
+    model_type: str,
+    hf_config: dict,
+    setup: TrainSetup,
+    steps: int,
+    capacity: int,
+    gpu_name: str = "h100",
 ) -> dict[str, Any]:
     """The traced run of the protocol's `steps` steps replayed at `capacity`: verdict, reserved
     and allocated peaks; or the one line that says why it could not be traced."""
@@ -47,7 +58,7 @@ def traced_replay(
     from memplan.traced.model import hf_config as to_hf
     from memplan.traced.step import trace_steps
 
-    gpu = resolve_gpu("h100")
+    gpu = resolve_gpu(gpu_name)
     start = time.perf_counter()
     try:
         config = to_hf(dict(hf_config, model_type=model_type), name=model, trust_remote_code=False)
@@ -68,16 +79,17 @@ def traced_replay(
     }
 
 
-def fit_grid_rows(only: str | None) -> list[dict[str, Any]]:
-    predictions = {c["case"]["case"]: c for c in json.loads(PREDICTIONS.read_text())["cases"]}
-    report = Report.model_validate_json(MEASURED.read_text())
+def fit_grid_rows(only: str | None, gpu: str) -> list[dict[str, Any]]:
+    predicted, measured = grid_files(gpu)
+    predictions = {c["case"]["case"]: c for c in json.loads(predicted.read_text())["cases"]}
+    report = Report.model_validate_json(measured.read_text())
     rows = []
     for m in report.measurements:
         if only and not re.search(only, m.case):
             continue
         p = predictions[m.case]
         traced = traced_replay(
-            m.model, m.model_type, m.hf_config, m.setup, m.steps, p["capacity_bytes"]
+            m.model, m.model_type, m.hf_config, m.setup, m.steps, p["capacity_bytes"], gpu
         )
         rows.append(
             {
@@ -146,14 +158,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    rows = fit_grid_rows(args.only) + trace_rows(args.only)
+    rows = fit_grid_rows(args.only, args.gpu)
+    if args.gpu == "h100":
+        rows += trace_rows(args.only)
     out = {
         "note": "traced on the CPU; the fit grid's analytic verdicts are its first predictions",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    default = REPO / f"benchmarks/results_traced_verdict_{args.gpu}.json"
+    Path(args.out or default).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
@@ -232,11 +247,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--gpu", default="h100", choices=["h100", "h200"])
+    p.add_argument("--out", help="default benchmarks/results_traced_verdict_GPU.json")
     p.add_argument("--only")
     p.set_defaults(func=run)
     t = sub.add_parser("table")
-    t.add_argument("file", nargs="?", default=str(OUT))
+    t.add_argument(
+        "file", nargs="?", default=str(REPO / "benchmarks/results_traced_verdict_h100.json")
+    )
     t.set_defaults(func=table)
     args = parser.parse_args()
     return args.func(args)
