@@ -2,11 +2,12 @@
 
     python benchmarks/traced_accuracy.py [--only REGEX] [--skip-timing]
 
-1. Every measured case of tests/data/measurements_h200.json that ran without memplan kernels
-   (the traced step runs the model's own code; kernels are the analytic path's business),
-   predicted again by tracing (for the GPU the measurement recorded) and written as a memplan
-   Report whose predictions are the traced ones: benchmarks/results_traced_h200_cases.json
-   (`memplan report` renders it; the analytic prediction of each case stays in the source file).
+1. Every measured case of tests/data/measurements_h200.json that ran with a setup the trace
+   follows (memplan.traced.verdict.decides: its kernels' traced path was checked, one GPU),
+   predicted again by tracing (for the GPU the measurement recorded), its stream replayed
+   through the allocator model for the reserved peak, and written as a memplan Report whose
+   predictions are the traced ones: benchmarks/results_traced_h200_cases.json (`memplan report`
+   renders it; the analytic prediction of each case stays in the source file).
 2. Trace time of catalog models from 16 to 80 layers, batch 1 x 2048, twice each in one process
    (the first pays for transformers' imports and torch's meta kernels' first calls):
    benchmarks/results_trace_time_cpu.json.
@@ -38,18 +39,23 @@ TIMED = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "llama-3.
 
 def traced_cases(only: str | None) -> Report:
     from memplan.traced import trace_config
+    from memplan.traced.verdict import decides, replayed
 
     source = Report.model_validate_json(SOURCE.read_text())
     out = Report(
-        label="Traced estimate (memplan.traced, on the CPU) of the H200 measurements without "
-        "kernels; the measured figures are those of tests/data/measurements_h200.json"
+        label="Traced estimate (memplan.traced, on the CPU) of the H200 measurements, with "
+        "the reserved peak of its stream replayed through the allocator model; the measured "
+        "figures are those of tests/data/measurements_h200.json"
     )
     for m in source.measurements:
-        if m.setup.kernels or m.status != "ok" or (only and not re.search(only, m.case)):
+        if m.status != "ok" or not decides(m.setup) or (only and not re.search(only, m.case)):
             continue
         config = {**m.hf_config, "model_type": m.model_type}
-        traced = trace_config(config, m.setup, measured_gpu(m), name=m.model).estimate
-        update = {"predicted": traced.model_copy(update={"timeline": []})}
+        gpu = measured_gpu(m)
+        run = trace_config(config, m.setup, gpu, name=m.model)
+        reserved = replayed(run.events.events, m.setup, gpu) if gpu else None
+        predicted = run.estimate.model_copy(update={"timeline": [], "reserved": reserved})
+        update = {"predicted": predicted}
         out.measurements.append(m.model_copy(update=update))
         print(f"{m.case}: traced {out.measurements[-1].error_pct:+.2f}%", flush=True)
     return out

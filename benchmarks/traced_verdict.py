@@ -107,6 +107,7 @@ def fit_grid_rows(only: str | None, gpu: str) -> list[dict[str, Any]]:
                     "reserved_bytes": m.reserved_bytes,
                     "allocated_bytes": m.peak_bytes,
                     "oom_above_bytes": m.oom_above_bytes,
+                    "error": m.error if m.status == "error" else None,
                 },
             }
         )
@@ -179,11 +180,13 @@ def _error(predicted: int, measured: int) -> float:
 def table(args: argparse.Namespace) -> int:
     rows = json.loads(Path(args.file).read_text())["rows"]
     grid = [r for r in rows if r["set"] == "fit grid"]
-    print("| case | measured | analytic (first prediction) | traced | traced reserved error |")
+    print("| case | measured | first prediction | traced | traced reserved error |")
     print("|---|---|---|---|---:|")
     for r in grid:
         m, a, t = r["measured"], r["analytic"], r["traced"]
         measured = "ran" if m["runs"] else f"OOM above {(m['oom_above_bytes'] or 0) / 2**30:.2f}"
+        if m.get("error"):  # not torch's out-of-memory error: the step failed all the same
+            measured = f"failed ({m['error'][:44]})"
         analytic = ("runs" if a["runs"] else "OOM") + (" ✓" if a["runs"] == m["runs"] else " ✗")
         if "error" in t:
             traced, err = "not traced", ""
@@ -208,7 +211,7 @@ def table(args: argparse.Namespace) -> int:
             else "none"
         )
         print(
-            f"- {label}: analytic right on {a_right}/{len(part)}; traced right on "
+            f"- {label}: first prediction right on {a_right}/{len(part)}; traced right on "
             f"{t_right}/{len(traced)} traced; traced reserved |error| {spread}"
         )
     recorded = [r for r in rows if r["set"] == "allocator traces" and "error" not in r["traced"]]
