@@ -55,10 +55,12 @@ def _mini_model(family: str, dtype: torch.dtype):
 # the experts' index_add_ sums in an order CUDA's atomics pick: HF against itself differs too
 NONDETERMINISTIC = {"mixtral", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next"}
 # Gemma 4's fp32 mini model grows step-1 differences of 1e-7 to ~1e-3 by step 30 on an H100
-# whichever kernel makes them (docs/accuracy.md), as Qwen3.5-MoE's (1.3e-4 by step 28, its
-# routing's top-k picks flipping): their tolerance is twice what a one-ulp perturbation of HF's
-# own weights grows to.
-AMPLIFIES_ROUNDING = {("gemma4_text", torch.float32), ("qwen3_5_moe_text", torch.float32)}
+# whichever kernel makes them (docs/accuracy.md): its tolerance is twice what a one-ulp
+# perturbation of HF's own weights grows to.
+AMPLIFIES_ROUNDING = {("gemma4_text", torch.float32)}
+# Measured on an H100, not explained: the step-28 loss 1.3e-4 from HF's, where a one-ulp
+# perturbation of HF's weights moves it by less than half that (docs/accuracy.md).
+UNEXPLAINED_DRIFT = {("qwen3_5_moe_text", torch.float32)}
 
 
 def _perturbed(model):
@@ -106,7 +108,9 @@ def _flat(model) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_convergence_matches_hf(family, dtype):
+def test_convergence_matches_hf(family, dtype, request):
+    if (family, dtype) in UNEXPLAINED_DRIFT:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="drift above tolerance"))
     reference = _mini_model(family, dtype)
     patched = copy.deepcopy(reference)
     rerun = None
