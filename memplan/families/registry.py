@@ -66,6 +66,33 @@ _MISTRAL_7B = {
     "max_position_embeddings": 131072,
 }
 _EXPERTS_KEPT = ("the experts (3-D fused weights) keep transformers' implementation",)
+# What transformers' Qwen3.5 and Qwen3-Next config classes default to for their gated DeltaNet
+# layers and the output-gated full attention beside them.
+_GATED_DELTANET_DEFAULTS = {
+    "num_attention_heads": 16,
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
+_GATED_DELTANET_RULES: dict[str, Any] = {
+    "qk_norm": True,
+    "windowed_layers": "never",
+    "reads_layer_types": False,
+    "partial_rotary": True,
+    "gated_deltanet": True,
+    "attention_output_gate": True,
+}
+_GATED_DELTANET_NOTES = (
+    "the decoder layers keep their forward: each runs a gated DeltaNet or a full attention",
+    "the gated DeltaNet runs transformers' torch fallback (chunked gated delta rule, causal "
+    "conv1d in torch); flash-linear-attention and causal-conv1d are not modelled",
+)
 # DeepSeek-style MoE layers (GLM-4.5, DeepSeek-V3): an fp32 sigmoid router with an expert-bias
 # buffer and group-limited top-k, shared experts beside the routed ones, the first layers dense.
 _DEEPSEEK_MOE = MoeRules(
@@ -842,24 +869,10 @@ FAMILIES: dict[str, Family] = {
                     "hidden_size": 4096,
                     "intermediate_size": 12288,
                     "num_hidden_layers": 32,
-                    "num_attention_heads": 16,
+                    **_GATED_DELTANET_DEFAULTS,
                     "num_key_value_heads": 4,
-                    "head_dim": 256,
-                    "max_position_embeddings": 32768,
-                    "partial_rotary_factor": 0.25,
-                    "full_attention_interval": 4,
-                    "linear_conv_kernel_dim": 4,
-                    "linear_key_head_dim": 128,
-                    "linear_value_head_dim": 128,
-                    "linear_num_key_heads": 16,
-                    "linear_num_value_heads": 32,
                 },
-                qk_norm=True,
-                windowed_layers="never",
-                reads_layer_types=False,
-                partial_rotary=True,
-                gated_deltanet=True,
-                attention_output_gate=True,
+                **_GATED_DELTANET_RULES,
                 rope_per_batch_row=True,
             ),
             patch=PatchSpec(
@@ -872,13 +885,9 @@ FAMILIES: dict[str, Family] = {
                 mlp=MlpSpec(classes=("Qwen3_5MLP",)),
                 causal_lm=CausalLMSpec(classes=("Qwen3_5ForCausalLM",)),
                 notes=(
-                    "the decoder layers keep their forward: each runs a gated DeltaNet or a "
-                    "full attention",
+                    *_GATED_DELTANET_NOTES,
                     "the full attention keeps its forward: its output gate and multimodal RoPE "
                     "are not memplan's attention",
-                    "the gated DeltaNet runs transformers' torch fallback (chunked gated delta "
-                    "rule, causal conv1d in torch); flash-linear-attention and causal-conv1d "
-                    "are not modelled",
                 ),
             ),
             tiny_from="qwen3.5-0.8b",
@@ -892,28 +901,14 @@ FAMILIES: dict[str, Family] = {
                     "vocab_size": 248320,
                     "hidden_size": 2048,
                     "num_hidden_layers": 40,
-                    "num_attention_heads": 16,
+                    **_GATED_DELTANET_DEFAULTS,
                     "num_key_value_heads": 2,
-                    "head_dim": 256,
-                    "max_position_embeddings": 32768,
-                    "partial_rotary_factor": 0.25,
-                    "full_attention_interval": 4,
-                    "linear_conv_kernel_dim": 4,
-                    "linear_key_head_dim": 128,
-                    "linear_value_head_dim": 128,
-                    "linear_num_key_heads": 16,
-                    "linear_num_value_heads": 32,
                     "num_experts": 256,
                     "num_experts_per_tok": 8,
                     "moe_intermediate_size": 512,
                     "shared_expert_intermediate_size": 512,
                 },
-                qk_norm=True,
-                windowed_layers="never",
-                reads_layer_types=False,
-                partial_rotary=True,
-                gated_deltanet=True,
-                attention_output_gate=True,
+                **_GATED_DELTANET_RULES,
                 rope_per_batch_row=True,
                 # the router renormalizes its top k whatever norm_topk_prob says
                 moe=MoeRules(
@@ -933,13 +928,9 @@ FAMILIES: dict[str, Family] = {
                 mlp=MlpSpec(classes=("Qwen3_5MoeMLP",)),
                 causal_lm=CausalLMSpec(classes=("Qwen3_5MoeForCausalLM",), moe_aux_loss=True),
                 notes=(
-                    "the decoder layers keep their forward: each runs a gated DeltaNet or a "
-                    "full attention",
+                    *_GATED_DELTANET_NOTES,
                     "the full attention keeps its forward: its output gate and multimodal RoPE "
                     "are not memplan's attention",
-                    "the gated DeltaNet runs transformers' torch fallback (chunked gated delta "
-                    "rule, causal conv1d in torch); flash-linear-attention and causal-conv1d "
-                    "are not modelled",
                     *_EXPERTS_KEPT,
                 ),
             ),
@@ -955,17 +946,8 @@ FAMILIES: dict[str, Family] = {
                     "hidden_size": 2048,
                     "intermediate_size": 5632,
                     "num_hidden_layers": 48,
-                    "num_attention_heads": 16,
+                    **_GATED_DELTANET_DEFAULTS,
                     "num_key_value_heads": 2,
-                    "head_dim": 256,
-                    "max_position_embeddings": 32768,
-                    "partial_rotary_factor": 0.25,
-                    "full_attention_interval": 4,
-                    "linear_conv_kernel_dim": 4,
-                    "linear_key_head_dim": 128,
-                    "linear_value_head_dim": 128,
-                    "linear_num_key_heads": 16,
-                    "linear_num_value_heads": 32,
                     "decoder_sparse_step": 1,
                     "num_experts": 512,
                     "num_experts_per_tok": 10,
@@ -973,13 +955,8 @@ FAMILIES: dict[str, Family] = {
                     "shared_expert_intermediate_size": 512,
                     "norm_topk_prob": True,
                 },
-                qk_norm=True,
-                windowed_layers="never",
-                reads_layer_types=False,
-                partial_rotary=True,
-                gated_deltanet=True,
+                **_GATED_DELTANET_RULES,
                 fused_deltanet_projections=True,
-                attention_output_gate=True,
                 moe=MoeRules(
                     experts_key="num_experts",
                     expert_width_key="moe_intermediate_size",
@@ -998,13 +975,9 @@ FAMILIES: dict[str, Family] = {
                 mlp=MlpSpec(classes=("Qwen3NextMLP",)),
                 causal_lm=CausalLMSpec(classes=("Qwen3NextForCausalLM",), moe_aux_loss=True),
                 notes=(
-                    "the decoder layers keep their forward: each runs a gated DeltaNet or a "
-                    "full attention",
+                    *_GATED_DELTANET_NOTES,
                     "the full attention keeps its forward: its output gate is not memplan's "
                     "attention",
-                    "the gated DeltaNet runs transformers' torch fallback (chunked gated delta "
-                    "rule, causal conv1d in torch); flash-linear-attention and causal-conv1d "
-                    "are not modelled",
                     *_EXPERTS_KEPT,
                 ),
             ),
