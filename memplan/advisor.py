@@ -254,22 +254,39 @@ def choose_flce(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> dict[str, int |
     takes a single chunk when all rows fit in the same bytes). Its cost over the two-pass
     schedule is the fp32 (vocab x hidden) accumulator; its gain, one GEMM of 2 x rows x hidden x
     vocab FLOP fewer. Otherwise the two-pass schedule at the chunk choose_flce_chunk picks."""
+    fast = fastest_flce(spec, setup)
+    if fast is not None and runs(spec, setup.model_copy(update=fast), gpu):
+        return fast
+    return {"flce_chunk": choose_flce_chunk(spec, setup, gpu), "flce_memory_budget": None}
+
+
+def fastest_flce(spec: ModelSpec, setup: TrainSetup) -> dict[str, int | None] | None:
+    """The fp32-accumulator schedule's budget (a setup update) where it applies: bf16 or fp16
+    projections, trained weights, more rows than FLCE_CHUNK_CAP."""
     tokens = setup.batch * setup.seq
     proj_bytes = DtypePlan.of(setup.precision).proj
-    accumulates = proj_bytes < 4 and not setup.lora_rank and tokens > FLCE_CHUNK_CAP
-    if accumulates:
-        budget = kc.flce_transient_bytes(
-            tokens,
-            spec.hidden_size,
-            spec.vocab_size,
-            proj_bytes,
-            FLCE_CHUNK_CAP,
-            schedule="one_pass_fp32_acc",
-        )
-        fast = {"flce_chunk": None, "flce_memory_budget": budget}
-        if runs(spec, setup.model_copy(update=fast), gpu):
-            return fast
-    return {"flce_chunk": choose_flce_chunk(spec, setup, gpu), "flce_memory_budget": None}
+    if proj_bytes == 4 or setup.lora_rank or tokens <= FLCE_CHUNK_CAP:
+        return None
+    budget = kc.flce_transient_bytes(
+        tokens,
+        spec.hidden_size,
+        spec.vocab_size,
+        proj_bytes,
+        FLCE_CHUNK_CAP,
+        schedule="one_pass_fp32_acc",
+    )
+    return {"flce_chunk": None, "flce_memory_budget": budget}
+
+
+def advised_runs(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> bool:
+    """Whether the step runs with the FLCE setting advise would choose (choose_flce), in at most
+    two replays: the lightest setting, then the fastest (the replay of either can fit where the
+    other's does not)."""
+    if runs(spec, lightest_flce(spec, setup), gpu):
+        return True
+    fixed = setup.flce_chunk is not None or setup.flce_memory_budget is not None
+    fast = None if "flce" not in setup.kernels or fixed else fastest_flce(spec, setup)
+    return fast is not None and runs(spec, setup.model_copy(update=fast), gpu)
 
 
 def choose_flce_chunk(spec: ModelSpec, setup: TrainSetup, gpu: Gpu) -> int:
@@ -306,10 +323,11 @@ def largest_batch(
 ) -> int:
     """The largest batch that advise would say fits with these kernels, FLCE's setting chosen
     for each batch as advise chooses it (0 if not even batch 1; `ceiling` when that fits).
-    The bisection ends on a batch that fits next to one that does not. `traced`: the replays
-    near the edge are the traced step's where it applies (edge_verdict), of the FLCE setting
-    advise chooses at that batch (the trace need not agree that the lightest setting is the
-    one that fits first); `known`: traced verdicts already made, by batch (not traced again)."""
+    The bisection ends on a batch that fits next to one that does not. The lightest setting's
+    allocated peak bounds the search; its replays judge each batch as advise would
+    (advised_runs); `traced`: near the edge the traced step's, at the setting advise chooses,
+    where it applies (edge_verdict); `known`: traced verdicts already made, by batch (not
+    traced again)."""
 
     def trial(batch: int) -> TrainSetup:
         return lightest_flce(spec, setup.model_copy(update={"batch": batch}))
@@ -317,7 +335,7 @@ def largest_batch(
     def chosen(batch: int) -> TrainSetup:
         return with_flce_choice(spec, setup.model_copy(update={"batch": batch}), gpu)
 
-    analytic = lambda b: runs(spec, trial(b), gpu)  # noqa: E731
+    analytic = lambda b: advised_runs(spec, setup.model_copy(update={"batch": b}), gpu)  # noqa: E731
     replay = analytic
     if traced:
         traced_runs = edge_verdict.batch_runs(spec, chosen, gpu, analytic)
@@ -347,10 +365,12 @@ def largest_seq(
     def at(steps: int) -> TrainSetup:
         return setup.model_copy(update={"seq": steps * SEQ_STEP})
 
-    analytic = lambda n: runs(spec, lightest_flce(spec, at(n)), gpu)  # noqa: E731
+    def chosen(steps: int) -> TrainSetup:
+        return with_flce_choice(spec, at(steps), gpu)
+
+    analytic = lambda n: advised_runs(spec, at(n), gpu)  # noqa: E731
     replay = analytic
     if traced:
-        chosen = lambda n: with_flce_choice(spec, at(n), gpu)  # noqa: E731
         traced_runs = edge_verdict.seq_runs(spec, chosen, gpu, analytic)
         replay = lambda n: known[n] if known and n in known else traced_runs(n)  # noqa: E731
     return SEQ_STEP * largest_running(
@@ -998,8 +1018,8 @@ def _upward(n: int, most: int) -> list[int]:
 def lightest_flce(spec: ModelSpec, setup: TrainSetup) -> TrainSetup:
     """The setup at the smallest FLCE chunk choose_flce_chunk considers, unless FLCE's setting
     is fixed already: the peak grows with the chunk, and the two-pass schedule at that chunk
-    holds less than the fp32-accumulator one, so the step fits with some setting advise would
-    choose exactly when it fits with this one (one estimate instead of a search)."""
+    holds less than the fp32-accumulator one, so its allocated peak bounds every setting advise
+    would choose (one estimate instead of a search; replays of the settings may still differ)."""
     if "flce" in setup.kernels and setup.flce_chunk is None and setup.flce_memory_budget is None:
         tokens = setup.batch * setup.seq
         formula = kc.flce_default_chunk(tokens, spec.hidden_size, spec.vocab_size)

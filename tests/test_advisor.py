@@ -166,10 +166,9 @@ def test_fused_qkv_lora_defaults_and_suggestions_use_qkv_proj() -> None:
     ],
 )
 def test_largest_batch_is_where_advise_stops_fitting(model, gpu, batch, seq, precision) -> None:
-    """Asked away from the edge, the search replays the analytic stream; so does advise here at
-    the largest batch and the next (at the edge it would take the traced step's verdict:
-    tests/traced/test_edge_verdict.py checks that search against it)."""
-    advice = advise(model, batch, seq, gpu=gpu, precision=precision)
+    """The analytic search ends where advise's analytic verdict stops fitting (at the edge advise
+    takes the traced step's verdict: tests/traced/test_edge_verdict.py checks that search)."""
+    advice = advise(model, batch, seq, gpu=gpu, precision=precision, traced_verdict=False)
     kernels = ",".join(advice.plan.kernels)
     best = advice.max_batch
     assert best > 0
