@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -93,15 +94,21 @@ _DISPATCH = (
 )
 
 
-def _called_by_engine() -> bool:
-    frame = sys._getframe(1)
+def _callers() -> Iterator[FrameType]:
+    """The frames that called the caller of this, innermost first."""
+    frame = sys._getframe(2)
     while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _called_by_engine() -> bool:
+    for frame in _callers():
         path = frame.f_code.co_filename
         if path.endswith(_ENGINE_ENTRIES):
             return True
         if not any(part in path for part in _DISPATCH):
             return False
-        frame = frame.f_back
     return False
 
 
@@ -120,11 +127,9 @@ class DataDependentRead(RuntimeError):
 
 
 def known_read() -> bool | float:
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame in _callers():
         if frame.f_code.co_name in KNOWN_READS:
             return KNOWN_READS[frame.f_code.co_name]
-        frame = frame.f_back
     caller = _model_frame()
     raise DataDependentRead(f"it reads a value from a tensor in {caller}")
 
@@ -142,12 +147,10 @@ _INTERNAL = (
 
 def _model_frame() -> str:
     """file:line function of the innermost frame outside the tracer and torch's dispatch."""
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame in _callers():
         path = frame.f_code.co_filename
         if not any(part in path for part in _INTERNAL):
             return f"{path.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
-        frame = frame.f_back
     return "unknown code"
 
 
