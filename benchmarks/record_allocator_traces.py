@@ -8,7 +8,8 @@ Each case runs the measurement protocol in a fresh process (memplan.verify) with
 history recorded from before the model is built to the end of the measured steps. Writes
 DIR/<case>.json.gz: the measurement (peaks, reserved, non-allocator bytes, the prediction) and its
 trace as (action, address, size) rows; DIR defaults to tests/data/allocator_traces. With
---from-results, the cases are those of a `memplan verify` results file (selected by --only)."""
+--from-results, the cases are those of a `memplan verify` results file that ran or ran out of
+memory (selected by --only)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def cases(results: str | None) -> list[tuple[VerifyCase, Any]]:
                 spec_from_hf_config(dict(m.hf_config, model_type=m.model_type)),
             )
             for m in report.measurements
-            if m.status == "ok" and not m.liger and m.model_type
+            if m.status in ("ok", "oom") and not m.liger and m.model_type
         ]
     planned = [
         p

@@ -1053,7 +1053,7 @@ def sink_attention_backward_held(
     output among them, every gradient of the attention part): three (seq + 1)-wide tensors in
     the logits' dtype (the residual stream's), the softmax's input gradient (the sliced-off sink
     column padded back with zeros), the d(logits) it writes and grad * output, which CUDA's
-    kernel forms beside it (tracker.softmax_backward_scratch_bytes), and the repeated v's
+    kernel forms beside it (cuda_scratch.softmax_backward_scratch_bytes), and the repeated v's
     gradient in v's dtype where that is not the saved v's (autocast's cast of the KV cache's
     fp32 values); less what is gone or not yet made by then: the probabilities' cast and
     o_proj's weight copy (autocast), o_proj's input and, on one GPU, the gradients q, k, v and

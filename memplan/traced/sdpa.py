@@ -64,6 +64,9 @@ class SdpaCall:
 # From this cuDNN release (9.19, seen on an H100) cuDNN attention trains head dims up to 256 with
 # any dropout probability; the H200 probe's release took head dims up to 128, dropout in 1/16ths.
 CUDNN_WIDE_TRAINING = 91900
+# The release the traced step assumes: what torch 2.11's CUDA 13 wheels run on the measured H100s
+# and H200s (torch.backends.cudnn.version(); the H100 traces' head-dim-256 layers ran cuDNN).
+CUDNN_RELEASE = 91900
 
 
 def choose_kernel(
@@ -181,7 +184,7 @@ def route(
     call = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if call.heads_kv != call.heads_q and not enable_gqa:
         raise RuntimeError("scaled_dot_product_attention: key heads differ without enable_gqa")
-    kernel = choose_kernel(call, compute_capability)
+    kernel = choose_kernel(call, compute_capability, CUDNN_RELEASE)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = _additive_mask(attn_mask, query.dtype, kernel)
     requires_grad = torch.is_grad_enabled() and (
@@ -285,11 +288,13 @@ def backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
     """Bytes an attention backward kernel allocates on the GPU beside its outputs and frees
     before it returns (invisible on meta tensors).
 
-    cuDNN and flash: an fp32 dq accumulator of q's size (flash's dq_accum; for cuDNN the same
-    figure, as estimators/timeline.py's attention_bwd_transient, measured on an H200). Flash
-    with grouped heads also expands dk and dv to every query head before summing them
-    (mha_bwd). Memory-efficient: an fp32 (batch, heads, q) delta and, in fp16/bf16, an fp32
-    dq accumulator."""
+    cuDNN: its graph's workspace, one block: fp32 tensors of q's size, two for a causal (or
+    unmasked) call and one with a mask, an fp32 (batch, heads, q) row statistic and 512 bytes of
+    alignment (every cuDNN backward of the recorded H100 traces, head dims 64-256, sliding-window
+    masks among them). Flash: an fp32 dq accumulator of q's
+    size (dq_accum); with grouped heads it also expands dk and dv to every query head before
+    summing them (mha_bwd). Memory-efficient: an fp32 (batch, heads, q) delta and, in
+    fp16/bf16, an fp32 dq accumulator."""
     name = func.overloadpacket.__name__
     if name not in _BACKWARDS:
         return 0
@@ -299,11 +304,19 @@ def backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
     if name == "_scaled_dot_product_efficient_attention_backward":
         accumulator = rows * d * 4 if query.dtype in LOW_PRECISION else 0
         return rows * 4 + accumulator
+    if name == "_scaled_dot_product_cudnn_attention_backward":
+        masked = len(args) > 8 and args[8] is not None  # args[8]: the additive mask (attn_bias)
+        q_sized = 1 if masked else 2
+        return q_sized * rows * d * 4 + rows * 4 + CUDNN_WORKSPACE_ALIGNMENT
     scratch = rows * d * 4
     if name == "_scaled_dot_product_flash_attention_backward" and key.shape[1] != h:
         scratch += 2 * b * h * key.shape[2] * d * key.element_size()
     return scratch
 
+
+# What cuDNN's backward workspace holds beyond its tensors (256 or 512 bytes in the traces,
+# 512 once the allocator rounds).
+CUDNN_WORKSPACE_ALIGNMENT = 512
 
 _BACKWARDS = (
     "_scaled_dot_product_cudnn_attention_backward",

@@ -6,10 +6,10 @@ whose storage it has not seen is an allocation, and a weakref callback on that s
 its release when the last tensor or autograd node holding it lets go (storages keep their Python
 object while the C++ storage lives, so the callback fires exactly then). What a CUDA kernel
 allocates beside its outputs is added by name: the cuBLAS workspace of each thread's first GEMM,
-the attention backward kernels' scratch (sdpa.backward_scratch_bytes) and softmax backward's
-product (softmax_backward_scratch_bytes). Where autograd sums two gradients of one tensor it adds
-the second into the first on the GPU, and out of place under any dispatch mode: the tracker adds
-in place where the GPU would (sums_gradients_in_place)."""
+and the blocks of cuda_scratch (attention and softmax backward, sorts, casting reductions).
+Where autograd sums two gradients of one tensor it adds the second into the first on the GPU,
+and out of place under any dispatch mode: the tracker adds in place where the GPU would
+(sums_gradients_in_place)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memplan.traced.sdpa import backward_scratch_bytes
+from memplan.traced.cuda_scratch import scratch_blocks
 
 # Ops that run on a cuBLAS handle: the first one on a thread creates that thread's workspace.
 GEMM_OPS = frozenset(
@@ -110,16 +110,6 @@ def _called_by_engine() -> bool:
         if not any(part in path for part in _DISPATCH):
             return False
     return False
-
-
-def softmax_backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
-    """CUDA's softmax backward (softmax_backward_cuda_out) first forms grad * output, a tensor
-    of grad's size, and frees it before it returns; the CPU kernel forms none. Seen in an H100
-    allocation trace of an eager attention layer (docs/traced.md)."""
-    if func.overloadpacket.__name__ != "_softmax_backward_data":
-        return 0
-    grad, output = args[0], args[1]
-    return grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize
 
 
 class DataDependentRead(RuntimeError):
@@ -453,7 +443,8 @@ class AllocationTracker(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 recorder.track(leaf)
-        scratch = backward_scratch_bytes(func, args) + softmax_backward_scratch_bytes(func, args)
-        if scratch:
-            recorder.free(recorder.alloc(scratch, "transient"))
+        blocks = scratch_blocks(func, args, kwargs, out)
+        scratch = [recorder.alloc(size, "transient") for size in blocks]
+        for key in reversed(scratch):
+            recorder.free(key)
         return out

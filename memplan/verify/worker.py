@@ -471,7 +471,12 @@ def _stop_allocator_trace() -> list[tuple[str, int, int]]:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snapshot["device_traces"][torch.cuda.current_device()]
-    return [(e["action"], e["addr"], e["size"]) for e in trace if e["action"] in _TRACE_ACTIONS]
+    # an 'oom' entry has no address: it carries the driver's free bytes at the failure instead
+    return [
+        (e["action"], e["addr"] if "addr" in e else e.get("device_free", 0), e["size"])
+        for e in trace
+        if e["action"] in _TRACE_ACTIONS
+    ]
 
 
 def _profile(case: VerifyCase, trainer: _Trainer, rec: dict[str, Any], top: int = 40) -> None:
@@ -569,9 +574,12 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
             import torch
 
             above = torch.cuda.max_memory_allocated()
+            free, total = torch.cuda.mem_get_info()
             rec.update(
                 status="oom",
                 oom_above_bytes=above,
+                # what the step found taken outside the allocator when it ran out
+                non_allocator_bytes=total - free - torch.cuda.memory_reserved(),
                 error=f"out of memory in {rec.get('oom_phase', 'the run')} above "
                 f"{above / 2**30:.2f} GiB allocated",
             )

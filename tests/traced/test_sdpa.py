@@ -234,3 +234,33 @@ def test_latent_attention_kernel_is_the_traced_steps(nope, rope, v, precision) -
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     call = SdpaCall(dtype, nope + rope, v, 128, 128, 1024, 1024, False, False, True)
     assert analytic == choose_kernel(call), dims
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama-3.2-1b_b4_s2048_bf16_hf",  # head dim 64, 4 query heads a KV head
+        "qwen2.5-1.5b_b4_s2048_bf16_hf",  # head dim 128, 6 a KV head
+        "qwen3-0.6b_b4_s1024_bf16_sgd_hf",  # head dim 128, 2 a KV head
+        "gemma-2-2b_b2_s1024_bf16_lora16-q_proj-v_proj_rms-rope-geglu-flce_chunk2048",  # 256
+    ],
+)
+def test_cudnn_backward_workspace_is_the_block_the_h100_allocated_per_layer(name: str) -> None:
+    import gzip
+
+    from memplan.estimators.allocator import round_size
+    from memplan.schema import Measurement
+    from memplan.traced.sdpa import backward_scratch_bytes
+
+    path = DATA / "allocator_traces" / f"{name}.json.gz"
+    m = Measurement.model_validate_json(gzip.open(path, "rt").read())
+    config, setup = m.hf_config, m.setup
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    q = torch.empty(setup.batch, heads, setup.seq, head_dim, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(setup.batch, kv, setup.seq, head_dim, device="meta", dtype=torch.bfloat16)
+    func = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    workspace = round_size(backward_scratch_bytes(func, (q, q, k)))
+    blocks = [size for action, _, size in m.allocator_trace if action == "alloc"]
+    per_layer_and_step = config["num_hidden_layers"] * m.steps
+    assert sum(round_size(size) == workspace for size in blocks) == per_layer_and_step
