@@ -25,7 +25,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memplan.traced.sdpa import backward_scratch_bytes
+from memplan.traced.sdpa import adds_mask_in_place, backward_scratch_bytes
 
 # Ops that run on a cuBLAS handle: the first one on a thread creates that thread's workspace.
 GEMM_OPS = frozenset(
@@ -110,6 +110,20 @@ def _called_by_engine() -> bool:
         if not any(part in path for part in _DISPATCH):
             return False
     return False
+
+
+def safe_softmax_scratch_bytes(
+    func: torch._ops.OpOverload, args: tuple, out: torch.Tensor
+) -> list[int]:
+    """What _safe_softmax (SDPA's math path) allocates beside its output `out`, alive together
+    and freed last-made first before it returns: `self.eq(-inf)` (a bool of the input's size),
+    `all(masked, dim, keepdim)` (a bool per row) and the 0-d zero it fills those rows with, in
+    place (an H100 allocation trace of qwen3-0.6b in fp32); on meta tensors the op runs below
+    the tracker, which sees its output only."""
+    if func.overloadpacket.__name__ != "_safe_softmax":
+        return []
+    scores, dim = args[0], args[1]
+    return [scores.numel(), scores.numel() // scores.shape[dim], out.element_size()]
 
 
 def softmax_backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
@@ -443,6 +457,9 @@ class AllocationTracker(TorchDispatchMode):
         check_no_host_copy(func, args, kwargs)
         if sums_gradients_in_place(func, args, kwargs):
             return args[0].add_(args[1])
+        if adds_mask_in_place(func, args, kwargs):
+            # autograd recorded an out-of-place add: its output is a new tensor on that storage
+            return torch.ops.aten.alias(args[0].add_(args[1]))
         special = _META_OUTPUTS.get(name)
         out = special(args, kwargs) if special else None
         if out is None:
@@ -456,4 +473,8 @@ class AllocationTracker(TorchDispatchMode):
         scratch = backward_scratch_bytes(func, args) + softmax_backward_scratch_bytes(func, args)
         if scratch:
             recorder.free(recorder.alloc(scratch, "transient"))
+        together = safe_softmax_scratch_bytes(func, args, out)
+        blocks = [recorder.alloc(nbytes, "transient") for nbytes in together]
+        for key in reversed(blocks):
+            recorder.free(key)
         return out
