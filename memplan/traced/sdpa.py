@@ -326,11 +326,13 @@ def backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
     """Bytes an attention backward kernel allocates on the GPU beside its outputs and frees
     before it returns (invisible on meta tensors).
 
-    cuDNN and flash: an fp32 dq accumulator of q's size (flash's dq_accum; for cuDNN the same
-    figure, as estimators/timeline.py's attention_bwd_transient, measured on an H200). Flash
-    with grouped heads also expands dk and dv to every query head before summing them
-    (mha_bwd). Memory-efficient: an fp32 (batch, heads, q) delta and, in fp16/bf16, an fp32
-    dq accumulator."""
+    cuDNN: one workspace of an fp32 per query row and fp32 blocks of q's size, two without an
+    attention bias and one with it: every H100 allocation trace in tests/data/allocator_traces
+    (2 x 32 MiB + 256 KiB for qwen3-0.6b at batch 4 x 1024; gemma-3-1b's sliding layers, given
+    a mask, 16 MiB + 64 KiB, its full ones twice that). Flash: an fp32 dq accumulator of q's
+    size (dq_accum), and with grouped heads dk and dv expanded to every query head before they
+    are summed (mha_bwd). Memory-efficient: an fp32 (batch, heads, q) delta and, in fp16/bf16,
+    an fp32 dq accumulator."""
     name = func.overloadpacket.__name__
     if name not in _BACKWARDS:
         return 0
@@ -340,6 +342,9 @@ def backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
     if name == "_scaled_dot_product_efficient_attention_backward":
         accumulator = rows * d * 4 if query.dtype in LOW_PRECISION else 0
         return rows * 4 + accumulator
+    if name == "_scaled_dot_product_cudnn_attention_backward":
+        q_sized_blocks = 1 if args[8] is not None else 2  # args[8]: the attention bias
+        return rows * 4 + q_sized_blocks * rows * d * 4
     scratch = rows * d * 4
     if name == "_scaled_dot_product_flash_attention_backward" and key.shape[1] != h:
         scratch += 2 * b * h * key.shape[2] * d * key.element_size()
