@@ -3,6 +3,8 @@ op never makes, each read from H100 and H200 allocation traces (tests/data/alloc
 The tracker allocates them, in order, right after the op's outputs and frees them in reverse.
 
 - attention backward kernels: their scratch (sdpa.backward_scratch_bytes);
+- SDPA's math path's _safe_softmax: the rows that are all -inf found and zeroed
+  (safe_softmax_scratch_bytes);
 - softmax backward: grad * output, a tensor of grad's size (softmax_backward_cuda_out; the CPU
   kernel forms none; seen in an eager attention layer's trace, docs/traced.md);
 - a sort of more than 4096 int64 keys along its only dimension: the indices' iota (int64, one per
@@ -47,6 +49,8 @@ def scratch_blocks(
     name = func.overloadpacket.__name__
     if name == "sort":
         return sort_scratch_blocks(args[0], kwargs.get("dim", args[1] if len(args) > 1 else -1))
+    if name == "_safe_softmax" and isinstance(out, torch.Tensor):
+        return safe_softmax_scratch_bytes(args, out)
     if name == "embedding_dense_backward":
         return embedding_backward_blocks(args[0], args[1], args[2])
     if name in _REDUCTIONS and isinstance(out, torch.Tensor):
@@ -56,6 +60,16 @@ def scratch_blocks(
         for size in (backward_scratch_bytes(func, args), softmax_backward_scratch_bytes(func, args))
         if size
     ]
+
+
+def safe_softmax_scratch_bytes(args: tuple, out: torch.Tensor) -> list[int]:
+    """What _safe_softmax (SDPA's math path) allocates beside its output `out`, alive together
+    and freed last-made first before it returns: `self.eq(-inf)` (a bool of the input's size),
+    `all(masked, dim, keepdim)` (a bool per row) and the 0-d zero it fills those rows with, in
+    place (an H100 allocation trace of qwen3-0.6b in fp32); on meta tensors the op runs below
+    the tracker, which sees its output only."""
+    scores, dim = args[0], args[1]
+    return [scores.numel(), scores.numel() // scores.shape[dim], out.element_size()]
 
 
 def softmax_backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:

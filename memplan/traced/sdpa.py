@@ -32,9 +32,11 @@ that its dropout is CUDA's fused one."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -215,10 +217,49 @@ def route(
         return kernel, _math_with_fused_dropout(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
-    out = aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-    )[0]
+    with _math_kernel():
+        out = aten._scaled_dot_product_attention_math(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            None,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )[0]
     return kernel, out
+
+
+# One entry per _scaled_dot_product_attention_math call running (a checkpointed layer's
+# recomputation can run inside another's backward): adds_mask_in_place looks only there.
+_math_kernels_running: list[bool] = []
+
+
+@contextlib.contextmanager
+def _math_kernel() -> Iterator[None]:
+    _math_kernels_running.append(True)
+    try:
+        yield
+    finally:
+        _math_kernels_running.pop()
+
+
+def adds_mask_in_place(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether `func` is the math path adding the mask to the scores, which attention.cpp does in
+    place (`attn.add_(mask)`) unless a tensor is subclass-like, as every tensor is under a
+    dispatch mode (isTensorSubclassLike): out of place, the trace would hold one more tensor of
+    the scores' size (an H100 allocation trace of qwen3-0.6b in fp32 holds none)."""
+    if not _math_kernels_running or func is not aten.add.Tensor or kwargs:
+        return False
+    scores, mask = args
+    return (
+        isinstance(scores, torch.Tensor)
+        and isinstance(mask, torch.Tensor)
+        and scores.dtype == mask.dtype
+        and torch.broadcast_shapes(scores.shape, mask.shape) == scores.shape
+    )
 
 
 def _math_with_fused_dropout(
@@ -291,10 +332,10 @@ def backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
     cuDNN: its graph's workspace, one block: fp32 tensors of q's size, two for a causal (or
     unmasked) call and one with a mask, an fp32 (batch, heads, q) row statistic and 512 bytes of
     alignment (every cuDNN backward of the recorded H100 traces, head dims 64-256, sliding-window
-    masks among them). Flash: an fp32 dq accumulator of q's
-    size (dq_accum); with grouped heads it also expands dk and dv to every query head before
-    summing them (mha_bwd). Memory-efficient: an fp32 (batch, heads, q) delta and, in
-    fp16/bf16, an fp32 dq accumulator."""
+    masks among them). Flash: an fp32 dq accumulator of q's size (dq_accum); with grouped heads
+    it also expands dk and dv to every query head before summing them (mha_bwd).
+    Memory-efficient: an fp32 (batch, heads, q) delta and, in fp16/bf16, an fp32 dq
+    accumulator."""
     name = func.overloadpacket.__name__
     if name not in _BACKWARDS:
         return 0

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memplan.traced.cuda_scratch import scratch_blocks
+from memplan.traced.sdpa import adds_mask_in_place
 
 # Ops that run on a cuBLAS handle: the first one on a thread creates that thread's workspace.
 GEMM_OPS = frozenset(
@@ -433,6 +434,9 @@ class AllocationTracker(TorchDispatchMode):
         check_no_host_copy(func, args, kwargs)
         if sums_gradients_in_place(func, args, kwargs):
             return args[0].add_(args[1])
+        if adds_mask_in_place(func, args, kwargs):
+            # autograd recorded an out-of-place add: its output is a new tensor on that storage
+            return torch.ops.aten.alias(args[0].add_(args[1]))
         special = _META_OUTPUTS.get(name)
         out = special(args, kwargs) if special else None
         if out is None:

@@ -17,6 +17,7 @@ from memplan.traced.autocast import Autocast
 from memplan.traced.emulation import CudaSemantics
 from memplan.traced.estimate import event_log
 from memplan.traced.model import hf_config
+from memplan.traced.sdpa import CUDNN_WORKSPACE_ALIGNMENT
 from memplan.traced.step import (
     TracedRun,
     make_optimizer,
@@ -259,3 +260,62 @@ def test_autocast_runs_out_variants_as_called() -> None:
     assert args[0] is out and kwargs["out"] is out
     args, _ = autocast.apply(torch.addmm, (out, a, a.t()), {})
     assert args[0].dtype == torch.bfloat16
+
+
+def _math_attention_records(is_causal: bool) -> tuple[list[tuple[str, int]], int]:
+    """The (action, bytes) records of one fp32 SDPA call with grouped heads (the math path), and
+    the number of its attention scores."""
+    recorder = Recorder()
+    q = torch.empty(2, 4, 64, 32, device="meta", requires_grad=True)
+    k, v = (torch.empty(2, 2, 64, 32, device="meta", requires_grad=True) for _ in range(2))
+    mask = None if is_causal else torch.zeros(2, 1, 64, 64, device="meta")
+    with AllocationTracker(recorder), CudaSemantics(None, (9, 0)):
+        torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+        )
+    return [(r.action, r.nbytes) for r in recorder.records], 2 * 4 * 64 * 64
+
+
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "masked"])
+def test_math_attention_adds_its_mask_in_place_and_masks_empty_rows_beside_the_probs(
+    is_causal: bool,
+) -> None:
+    """SDPA's math path as an H100 allocation trace of qwen3-0.6b in fp32 has it: the scores,
+    the probabilities, then _safe_softmax's bool of the scores' size, its bool per row and a
+    0-d zero, freed last-made first, then the scores. No third block of the scores' size
+    (attention.cpp adds the mask in place where no dispatch mode runs)."""
+    records, scores = _math_attention_records(is_causal)
+    first = records.index(("alloc", scores * 4))
+    assert records[first : first + 9] == [
+        ("alloc", scores * 4),
+        ("alloc", scores * 4),
+        ("alloc", scores),
+        ("alloc", scores // 64),
+        ("alloc", 4),
+        ("free", 4),
+        ("free", scores // 64),
+        ("free", scores),
+        ("free", scores * 4),
+    ]
+    assert records.count(("alloc", scores * 4)) == 2
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked"])
+def test_cudnn_attention_backward_takes_the_workspace_the_h100_traces_show(masked: bool) -> None:
+    """cuDNN's backward workspace in every H100 allocation trace: an fp32 per query row and two
+    fp32 blocks of q's size, one where the kernel is given a bias (gemma-3-1b's sliding layers:
+    16 MiB + 64 KiB, its full layers 32 MiB + 64 KiB), and 512 bytes of alignment."""
+    recorder = Recorder()
+    q = torch.empty(2, 4, 64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.empty_like(q, requires_grad=True) for _ in range(2))
+    mask = torch.ones(64, 64, device="meta", dtype=torch.bool).tril() if masked else None
+    with AllocationTracker(recorder), CudaSemantics(None, (9, 0)) as semantics:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=not masked
+        )
+        out.sum().backward()
+    assert dict(semantics.kernels) == {"cudnn": 1}
+    rows = 2 * 4 * 64
+    workspace = [r.nbytes for r in recorder.records if recorder.storages[r.key].tag == "transient"]
+    q_sized = 1 if masked else 2
+    assert workspace == [rows * 4 + q_sized * rows * 32 * 4 + CUDNN_WORKSPACE_ALIGNMENT] * 2
