@@ -1271,15 +1271,17 @@ def walk_step(
     final_norm_grad = 0 if lora else sizes.counts.final_norm * grad_bytes
     tied = spec.tie_word_embeddings
 
-    def keep_gradients(group: str, part: str, *nbytes: int) -> None:
+    def keep_gradients(group: str, part: str, *nbytes: int) -> list[int]:
+        """The gradients made here, kept (or added into those kept already); returns them."""
         if layout.owns_gradients():
             layout.gradients(builder, group, part, run, accumulating)
-            return
+            return []
         tensors = builder.alloc_all("gradients", nbytes)
         if accumulating:
             builder.free_all(tensors)  # added into the gradients already there
-        else:
-            run.gradients += tensors
+            return []
+        run.gradients += tensors
+        return tensors
 
     builder.mark("start", "weights + optimizer states")
     # Under checkpointing nothing saves the low-precision copies autocast caches of trainable
@@ -1432,6 +1434,7 @@ def walk_step(
         layout.backward_enter(builder, "tail")
     builder.at("backward", "lm_head backward")
     lm_head_part = "embedding" if tied else "lm_head"
+    lm_head_grads: list[int] = []
     if "flce" in kernels and not sizes.flce_grads_to_fp32:
         # FLCE computed dX and dW in its forward; backward hands them on as they are.
         grad_hidden = builder.retag(loss_saved[0], "transient")
@@ -1445,7 +1448,7 @@ def walk_step(
     else:
         if "flce" in kernels:  # under autocast dX and dW are cast to the fp32 inputs' dtype
             builder.mark("backward", "FLCE gradients cast to fp32", sizes.flce_grads_to_fp32)
-        keep_gradients("tail", lm_head_part, sizes.lm_head_grad)
+        lm_head_grads = keep_gradients("tail", lm_head_part, sizes.lm_head_grad)
         grad_hidden = builder.alloc("transient", sizes.grad_hidden)
         builder.mark("backward", "lm_head backward")
         builder.free_all(loss_saved)
@@ -1535,7 +1538,10 @@ def walk_step(
         builder.at("backward", "embedding backward")
         if not tied:
             layout.backward_enter(builder, "embedding")
-        if tied:
+        if tied and lm_head_grads:
+            # autograd's input buffer adds the embedding's gradient to lm_head's out of place
+            sum_tied_gradients(builder, run, lm_head_grads[0], embedding_grad)
+        elif tied:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
             # (no FLCE) plus the embedding's make a third tensor, their sum; FLCE's dW is summed
             # in place. Measured on an H200 (qwen2.5-1.5b, batch 1 x 256, SGD with momentum and
@@ -1554,6 +1560,22 @@ def walk_step(
     builder.mark("backward", "end of backward")
     layout.backward_end(builder, run, sync)
     return walk
+
+
+def sum_tied_gradients(
+    builder: StepBuilder, run: RunTensors, lm_head_grad: int, embedding_grad: int
+) -> None:
+    """The tied weight's two gradients meet in autograd's input buffer: the embedding
+    backward's dense gradient, then their sum (a new tensor, the weight's gradient from here on),
+    then both addends freed, lm_head's first."""
+    addend = builder.alloc("transient", embedding_grad)
+    total = builder.alloc("gradients", embedding_grad)
+    builder.mark("backward", "embedding backward")
+    builder.free(lm_head_grad)
+    run.gradients.remove(lm_head_grad)
+    builder.free(addend)
+    if total is not None:
+        run.gradients.append(total)
 
 
 def alloc_saved_after(
