@@ -1177,7 +1177,16 @@ def build(
         text = param_tensors(spec).bytes_in_order(spec.num_hidden_layers, sizes.param_bytes, True)
         tower = [n * sizes.param_bytes for n in counted_vision_tower(spec, setup)]
         weights = tower + text + [n * FP32 for n in adapters]
-    run.weights = builder.alloc_all("weights", weights)
+    if spec.tie_word_embeddings and layout.builds_whole_model:
+        made = len(weights) - len(adapters)
+        run.weights = builder.alloc_all("weights", weights[:made])
+        # nn.Linear makes lm_head's own weight last; post_init's tie_weights frees it
+        builder.free(
+            builder.alloc("transient", spec.vocab_size * spec.hidden_size * sizes.param_bytes)
+        )
+        run.weights += builder.alloc_all("weights", weights[made:])
+    else:
+        run.weights = builder.alloc_all("weights", weights)
     run.weights += builder.alloc_all("weights", model_buffers(spec))
     run.buffers = layout.prepare(builder, sizes.param_bytes, trainable_tensors(spec, setup))
     return run
