@@ -1324,24 +1324,17 @@ def walk_step(
     kv_kept: dict[int, list[int]] = {}
     layer_kept: list[tuple[list[int], list[int]]] = []  # saved before and after attention
     for index, (before, after) in enumerate(saved.layer_entries):
-        recomputed = saved.recomputed_entries[index]
-        recomputed_later = [n for part in recomputed for n in part] if ckpt else []
         kv_cache += builder.alloc_all("kv_cache", sizes.kv_cache[index] if cached else ())
         kept = sizes.kept_kv[index]
         if not cached:
             in_forward = kept.unsaved + (kept.saved if ckpt else [])
             kv_kept[index] = builder.alloc_all("activations", in_forward)
         layout.forward_enter(builder, f"layer {index}")
-        if saved.moe_peaks and saved.moe_peaks[index]:
-            # Llama 4's MoE block holds more than the attention; a checkpointed layer's saved
-            # tensors die as its forward lets go of them (moe_forward_peaks)
-            recomputed_later = []
-        if index in spec.linear_attention_layers:  # deltanet_forward_peak holds what it needs
-            recomputed_later = []
         attention_copies, moe_copies = saved.autocast_cache_by_layer or ([], [])
         cached_copies += [builder.alloc("autocast_cache", n) for n in attention_copies]
         transient = sizes.layer_fwd_transient[index]
-        builder.mark("forward", f"layer {index}", transient + recomputed_later)
+        # checkpoint's saved-tensor hooks drop what a checkpointed layer saves: not held here
+        builder.mark("forward", f"layer {index}", transient)
         # the model's forward holds its masks, and its embedding output past the first layer
         held_by_model = saved.forward_masks + saved.embedding_output * (index > 0)
         for held in saved.moe_peaks[index] if saved.moe_peaks else ():
