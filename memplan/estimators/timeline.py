@@ -1451,7 +1451,12 @@ def walk_step(
         if "flce" in kernels:  # under autocast dX and dW are cast to the fp32 inputs' dtype
             builder.mark("backward", "FLCE gradients cast to fp32", sizes.flce_grads_to_fp32)
         lm_head_grads = keep_gradients("tail", lm_head_part, sizes.lm_head_grad)
+        # lm_head's backward matmuls are the autograd thread's first (not FLCE's backward)
+        if lm_head_grads and "flce" not in kernels:
+            start_autograd_workspace(builder, run, sizes.workspace)
         grad_hidden = builder.alloc("transient", sizes.grad_hidden)
+        if "flce" not in kernels:
+            start_autograd_workspace(builder, run, sizes.workspace)
         builder.mark("backward", "lm_head backward")
         builder.free_all(loss_saved)
     if hidden_scaled:  # the gradient divided by logits_scaling, a new tensor beside the first
@@ -1461,8 +1466,7 @@ def walk_step(
         keep_gradients("tail", "final_norm")
         layout.backward_exit(builder, "tail", run, sync)
 
-    if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
-        run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
+    start_autograd_workspace(builder, run, sizes.workspace)
     for index in reversed(range(len(saved.layer_entries))):
         gradients = sizes.gradients[index]
         label = f"layer {index} backward"
@@ -1562,6 +1566,13 @@ def walk_step(
     builder.mark("backward", "end of backward")
     layout.backward_end(builder, run, sync)
     return walk
+
+
+def start_autograd_workspace(builder: StepBuilder, run: RunTensors, nbytes: int) -> None:
+    """The autograd thread's cuBLAS workspace, made as its first matmul launches (after that
+    matmul's output), once."""
+    if len(run.workspaces) == 1:
+        run.workspaces.append(builder.alloc("cublas_workspace", nbytes))
 
 
 def sum_tied_gradients(
