@@ -449,11 +449,19 @@ def checkpointed_masks(
 
 
 def loss_saved_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> int:
-    return sum(loss_saved_entries(spec, setup, dtypes))
+    hf_loss = not {"flce", "cross_entropy"} & set(setup.kernels)
+    copy = lm_head_weight_copy(spec, dtypes) if hf_loss else 0
+    return sum(loss_saved_entries(spec, setup, dtypes)) + copy
+
+
+def lm_head_weight_copy(spec: ModelSpec, dtypes: DtypePlan) -> int:
+    """Under autocast the lm_head matmul keeps its low-precision weight copy for its backward."""
+    return spec.vocab_size * spec.hidden_size * dtypes.proj if dtypes.autocast else 0
 
 
 def loss_saved_entries(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> list[int]:
-    """What the loss saves for backward, one allocation each, in the order they are made."""
+    """What the loss saves for backward, one allocation each, in the order they are made; with
+    Hugging Face's loss, not lm_head's weight copy (lm_head_weight_copy)."""
     tokens = setup.batch * setup.seq
     logits = tokens * spec.vocab_size
     kernels = set(setup.kernels)
@@ -461,14 +469,12 @@ def loss_saved_entries(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) ->
         dx = kc.flce_saved_bytes(tokens, spec.hidden_size, spec.vocab_size, dtypes.proj, False)
         dw = spec.vocab_size * spec.hidden_size * dtypes.proj if not setup.lora_rank else 0
         return [n for n in (dx, dw) if n]
-    # Under autocast the lm_head matmul keeps its low-precision weight copy.
-    lm_head_copy = spec.vocab_size * spec.hidden_size * dtypes.proj if dtypes.autocast else 0
     if "cross_entropy" in kernels:  # the logits' gradient, in a buffer of its own
         gradient = kc.cross_entropy_saved_bytes(tokens, spec.vocab_size, dtypes.proj, False)
-        return [n for n in (lm_head_copy, gradient) if n]
+        return [n for n in (lm_head_weight_copy(spec, dtypes), gradient) if n]
     softcap = logits * dtypes.proj if spec.final_logit_softcapping else 0
     # log_softmax's output, the targets, nll_loss's total weight.
-    return [n for n in (lm_head_copy, softcap, tokens * INT64, logits * FP32, FP32) if n]
+    return [n for n in (softcap, tokens * INT64, logits * FP32, FP32) if n]
 
 
 @dataclass
@@ -591,6 +597,7 @@ class StepSizes:
     workspace: int
     saved: ForwardSaved
     loss_entries: list[int]
+    lm_head_copy: int  # lm_head_weight_copy
     residual: int
     logits_p: int
     logits_fp32: int
@@ -718,6 +725,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         workspace=cublas_workspace_bytes(gpu),
         saved=forward_saved(spec, setup, backend, under_autocast=under_autocast),
         loss_entries=loss_saved_entries(spec, setup, dtypes),
+        lm_head_copy=lm_head_weight_copy(spec, dtypes),
         residual=round_block(tokens * h * dtypes.residual),
         logits_p=round_block(tokens * spec.vocab_size * p),
         logits_fp32=round_block(tokens * spec.vocab_size * FP32),
@@ -1382,6 +1390,8 @@ def walk_step(
         # then log_softmax's output and the shifted targets (saved.loss); the upcast is freed
         # once log_softmax has run.
         builder.at("loss", "logits, fp32 upcast, log_softmax")
+        # autocast casts lm_head's weight before its matmul allocates the logits
+        weight_copy = builder.alloc("logits_and_loss", sizes.lm_head_copy)
         logits = builder.alloc("logits_and_loss", sizes.logits_p)
         if spec.logits_scaling is not None:
             # logits / logits_scaling: lm_head's output is freed once the quotient is made
@@ -1431,7 +1441,8 @@ def walk_step(
             )
         if spec.logits_scaling is not None:
             builder.mark("backward", "logits_scaling backward", [sizes.logits_p], "logits_and_loss")
-        loss_saved = [logits_grad]
+        # lm_head's backward reads its weight copy: freed with the logits' gradient after it
+        loss_saved = [t for t in (logits_grad, weight_copy) if t is not None]
     if "flce" not in kernels:  # the pre-backward hook on lm_head's output, the logits
         layout.backward_enter(builder, "tail")
     builder.at("backward", "lm_head backward")
