@@ -165,10 +165,10 @@ class ForwardSaved:
     # Attention masks the checkpointed layers keep as inputs for their recomputation: (bytes,
     # the layer whose backward releases it, the lowest that reads it).
     checkpoint_masks: list[tuple[int, int]] = field(default_factory=list)
-    # Under checkpointed autocast, Llama 4's copies of one layer's trainable weights, which
-    # autocast caches as each matmul first runs: the attention's, then the MoE block's (their
-    # order in moe_forward_peaks); empty where the cache is one allocation at the start.
-    autocast_cache_by_layer: tuple[list[int], list[int]] | None = None
+    # Under checkpointed autocast, per layer, the copies of its trainable weights that autocast
+    # caches as each matmul first runs: the attention's, then Llama 4's MoE block's (their order
+    # in moe_forward_peaks); None where the cache is one allocation at the start (LoRA).
+    autocast_cache_by_layer: list[tuple[list[int], list[int]]] | None = None
     # Per layer, the forward's points inside Llama 4's MoE block above the layer's start: the
     # layer's saved allocations alive there and what the block holds beside them (none
     # elsewhere); under checkpointing, the graph-free first forward's.
@@ -297,7 +297,7 @@ def forward_saved(
         checkpoint_masks=[
             (blocks(n), layer) for n, layer in checkpointed_masks(setup, dtypes, contexts)
         ],
-        autocast_cache_by_layer=layer_autocast_copies(spec, contexts[-1], blocks),
+        autocast_cache_by_layer=autocast_copies_by_layer(spec, contexts, blocks),
         moe_peaks=[moe_peaks[layer_kind(ctx)] for ctx in contexts],
         after_names=[after_names[layer_kind(ctx)] for ctx in contexts],
         embedding_output=[]
@@ -324,6 +324,25 @@ def layer_autocast_copies(
     copies = [blocks(ctx.dtypes.proj * n) for n in autocast_weight_tensors(spec, 0, True)]
     moe = len(EVERY_EXPERT_AUTOCAST_NAMES)
     return copies[:-moe], copies[-moe:]
+
+
+def autocast_copies_by_layer(
+    spec: ModelSpec, contexts: list[LayerContext], blocks: Callable[[float], int]
+) -> list[tuple[list[int], list[int]]] | None:
+    """Per layer, the autocast copies of its trainable weights under checkpointing, made as the
+    layer's forward first runs its matmuls: Llama 4's as layer_autocast_copies splits them,
+    else all of them with the attention's; None where the base weights do not train (LoRA:
+    the adapters' copies, one allocation at the step's start)."""
+    ctx = contexts[-1]
+    if walked_tensor_by_tensor(spec):
+        copies = layer_autocast_copies(spec, ctx, blocks)
+        return None if copies is None else [copies] * len(contexts)
+    if not (ctx.trainable_base and ctx.under_autocast and ctx.setup.grad_checkpointing):
+        return None
+    return [
+        ([blocks(c.dtypes.proj * n) for n in autocast_weight_tensors(c.spec, 0, c.moe)], [])
+        for c in contexts
+    ]
 
 
 def first_norm_keeps_input(ctx: LayerContext) -> bool:
@@ -1302,8 +1321,8 @@ def walk_step(
 
     builder.mark("start", "weights + optimizer states")
     # Under checkpointing nothing saves the low-precision copies autocast caches of trainable
-    # weights, but the cache holds them until the forward's autocast region ends.
-    # Llama 4's copies are made layer by layer, as each matmul first runs (moe_forward_peaks)
+    # weights, but the cache holds them until the forward's autocast region ends; each is made
+    # as its matmul first runs, layer by layer (layer_autocast_copies)
     by_layer = bool(saved.autocast_cache_by_layer)
     autocast_cache = builder.alloc(
         "autocast_cache", sizes.autocast_cache if ckpt and not by_layer else 0
@@ -1338,7 +1357,9 @@ def walk_step(
             in_forward = kept.unsaved + (kept.saved if ckpt else [])
             kv_kept[index] = builder.alloc_all("activations", in_forward)
         layout.forward_enter(builder, f"layer {index}")
-        attention_copies, moe_copies = saved.autocast_cache_by_layer or ([], [])
+        attention_copies, moe_copies = (
+            saved.autocast_cache_by_layer[index] if saved.autocast_cache_by_layer else ([], [])
+        )
         cached_copies += [builder.alloc("autocast_cache", n) for n in attention_copies]
         transient = sizes.layer_fwd_transient[index]
         # checkpoint's saved-tensor hooks drop what a checkpointed layer saves: not held here
