@@ -1576,8 +1576,9 @@ def walk_step(
         builder.at("backward", "embedding backward")
         if not tied:
             layout.backward_enter(builder, "embedding")
-        if tied and lm_head_grads:
+        if tied and lm_head_grads and "flce" not in kernels:
             # autograd's input buffer adds the embedding's gradient to lm_head's out of place
+            # (to FLCE's fp32 dW in place, as the elif below does)
             sum_tied_gradients(builder, run, lm_head_grads[0], embedding_grad)
         elif tied:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
