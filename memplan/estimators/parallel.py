@@ -117,6 +117,9 @@ def model_groups(spec: ModelSpec, setup: TrainSetup) -> dict[str, Group]:
 class OneGpu:
     """One GPU as the protocol runs it; the walk's own gradient sizes, no collective."""
 
+    # The whole model is made on this GPU, module by module (from_config under torch.device).
+    builds_whole_model = True
+
     def __init__(self, spec: ModelSpec, setup: TrainSetup) -> None:
         self.spec, self.setup = spec, setup
         self.steady = False  # the step walked has optimizer states (not the first)
@@ -229,6 +232,8 @@ class _Live:
 
 class Fsdp2(OneGpu):
     """fully_shard per group (model_groups), N ranks, rank 0's view (docs/distributed.md)."""
+
+    builds_whole_model = False
 
     def __init__(self, spec: ModelSpec, setup: TrainSetup) -> None:
         super().__init__(spec, setup)

@@ -165,10 +165,10 @@ class ForwardSaved:
     # Attention masks the checkpointed layers keep as inputs for their recomputation: (bytes,
     # the layer whose backward releases it, the lowest that reads it).
     checkpoint_masks: list[tuple[int, int]] = field(default_factory=list)
-    # Under checkpointed autocast, Llama 4's copies of one layer's trainable weights, which
-    # autocast caches as each matmul first runs: the attention's, then the MoE block's (their
-    # order in moe_forward_peaks); empty where the cache is one allocation at the start.
-    autocast_cache_by_layer: tuple[list[int], list[int]] | None = None
+    # Under checkpointed autocast, per layer, the copies of its trainable weights that autocast
+    # caches as each matmul first runs: the attention's, then Llama 4's MoE block's (their order
+    # in moe_forward_peaks); None where the cache is one allocation at the start (LoRA).
+    autocast_cache_by_layer: list[tuple[list[int], list[int]]] | None = None
     # Per layer, the forward's points inside Llama 4's MoE block above the layer's start: the
     # layer's saved allocations alive there and what the block holds beside them (none
     # elsewhere); under checkpointing, the graph-free first forward's.
@@ -297,7 +297,7 @@ def forward_saved(
         checkpoint_masks=[
             (blocks(n), layer) for n, layer in checkpointed_masks(setup, dtypes, contexts)
         ],
-        autocast_cache_by_layer=layer_autocast_copies(spec, contexts[-1], blocks),
+        autocast_cache_by_layer=autocast_copies_by_layer(spec, contexts, blocks),
         moe_peaks=[moe_peaks[layer_kind(ctx)] for ctx in contexts],
         after_names=[after_names[layer_kind(ctx)] for ctx in contexts],
         embedding_output=[]
@@ -324,6 +324,25 @@ def layer_autocast_copies(
     copies = [blocks(ctx.dtypes.proj * n) for n in autocast_weight_tensors(spec, 0, True)]
     moe = len(EVERY_EXPERT_AUTOCAST_NAMES)
     return copies[:-moe], copies[-moe:]
+
+
+def autocast_copies_by_layer(
+    spec: ModelSpec, contexts: list[LayerContext], blocks: Callable[[float], int]
+) -> list[tuple[list[int], list[int]]] | None:
+    """Per layer, the autocast copies of its trainable weights under checkpointing, made as the
+    layer's forward first runs its matmuls: Llama 4's as layer_autocast_copies splits them,
+    else all of them with the attention's; None where the base weights do not train (LoRA:
+    the adapters' copies, one allocation at the step's start)."""
+    ctx = contexts[-1]
+    if walked_tensor_by_tensor(spec):
+        copies = layer_autocast_copies(spec, ctx, blocks)
+        return None if copies is None else [copies] * len(contexts)
+    if not (ctx.trainable_base and ctx.under_autocast and ctx.setup.grad_checkpointing):
+        return None
+    return [
+        ([blocks(c.dtypes.proj * n) for n in autocast_weight_tensors(c.spec, 0, c.moe)], [])
+        for c in contexts
+    ]
 
 
 def first_norm_keeps_input(ctx: LayerContext) -> bool:
@@ -449,11 +468,19 @@ def checkpointed_masks(
 
 
 def loss_saved_bytes(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> int:
-    return sum(loss_saved_entries(spec, setup, dtypes))
+    hf_loss = not {"flce", "cross_entropy"} & set(setup.kernels)
+    copy = lm_head_weight_copy(spec, dtypes) if hf_loss else 0
+    return sum(loss_saved_entries(spec, setup, dtypes)) + copy
+
+
+def lm_head_weight_copy(spec: ModelSpec, dtypes: DtypePlan) -> int:
+    """Under autocast the lm_head matmul keeps its low-precision weight copy for its backward."""
+    return spec.vocab_size * spec.hidden_size * dtypes.proj if dtypes.autocast else 0
 
 
 def loss_saved_entries(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) -> list[int]:
-    """What the loss saves for backward, one allocation each, in the order they are made."""
+    """What the loss saves for backward, one allocation each, in the order they are made; with
+    Hugging Face's loss, not lm_head's weight copy (lm_head_weight_copy)."""
     tokens = setup.batch * setup.seq
     logits = tokens * spec.vocab_size
     kernels = set(setup.kernels)
@@ -461,14 +488,12 @@ def loss_saved_entries(spec: ModelSpec, setup: TrainSetup, dtypes: DtypePlan) ->
         dx = kc.flce_saved_bytes(tokens, spec.hidden_size, spec.vocab_size, dtypes.proj, False)
         dw = spec.vocab_size * spec.hidden_size * dtypes.proj if not setup.lora_rank else 0
         return [n for n in (dx, dw) if n]
-    # Under autocast the lm_head matmul keeps its low-precision weight copy.
-    lm_head_copy = spec.vocab_size * spec.hidden_size * dtypes.proj if dtypes.autocast else 0
     if "cross_entropy" in kernels:  # the logits' gradient, in a buffer of its own
         gradient = kc.cross_entropy_saved_bytes(tokens, spec.vocab_size, dtypes.proj, False)
-        return [n for n in (lm_head_copy, gradient) if n]
+        return [n for n in (lm_head_weight_copy(spec, dtypes), gradient) if n]
     softcap = logits * dtypes.proj if spec.final_logit_softcapping else 0
     # log_softmax's output, the targets, nll_loss's total weight.
-    return [n for n in (lm_head_copy, softcap, tokens * INT64, logits * FP32, FP32) if n]
+    return [n for n in (softcap, tokens * INT64, logits * FP32, FP32) if n]
 
 
 @dataclass
@@ -591,6 +616,7 @@ class StepSizes:
     workspace: int
     saved: ForwardSaved
     loss_entries: list[int]
+    lm_head_copy: int  # lm_head_weight_copy
     residual: int
     logits_p: int
     logits_fp32: int
@@ -718,6 +744,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         workspace=cublas_workspace_bytes(gpu),
         saved=forward_saved(spec, setup, backend, under_autocast=under_autocast),
         loss_entries=loss_saved_entries(spec, setup, dtypes),
+        lm_head_copy=lm_head_weight_copy(spec, dtypes),
         residual=round_block(tokens * h * dtypes.residual),
         logits_p=round_block(tokens * spec.vocab_size * p),
         logits_fp32=round_block(tokens * spec.vocab_size * FP32),
@@ -1177,7 +1204,16 @@ def build(
         text = param_tensors(spec).bytes_in_order(spec.num_hidden_layers, sizes.param_bytes, True)
         tower = [n * sizes.param_bytes for n in counted_vision_tower(spec, setup)]
         weights = tower + text + [n * FP32 for n in adapters]
-    run.weights = builder.alloc_all("weights", weights)
+    if spec.tie_word_embeddings and layout.builds_whole_model:
+        made = len(weights) - len(adapters)
+        run.weights = builder.alloc_all("weights", weights[:made])
+        # nn.Linear makes lm_head's own weight last; post_init's tie_weights frees it
+        builder.free(
+            builder.alloc("transient", spec.vocab_size * spec.hidden_size * sizes.param_bytes)
+        )
+        run.weights += builder.alloc_all("weights", weights[made:])
+    else:
+        run.weights = builder.alloc_all("weights", weights)
     run.weights += builder.alloc_all("weights", model_buffers(spec))
     run.buffers = layout.prepare(builder, sizes.param_bytes, trainable_tensors(spec, setup))
     return run
@@ -1271,20 +1307,22 @@ def walk_step(
     final_norm_grad = 0 if lora else sizes.counts.final_norm * grad_bytes
     tied = spec.tie_word_embeddings
 
-    def keep_gradients(group: str, part: str, *nbytes: int) -> None:
+    def keep_gradients(group: str, part: str, *nbytes: int) -> list[int]:
+        """The gradients made here, kept (or added into those kept already); returns them."""
         if layout.owns_gradients():
             layout.gradients(builder, group, part, run, accumulating)
-            return
+            return []
         tensors = builder.alloc_all("gradients", nbytes)
         if accumulating:
             builder.free_all(tensors)  # added into the gradients already there
-        else:
-            run.gradients += tensors
+            return []
+        run.gradients += tensors
+        return tensors
 
     builder.mark("start", "weights + optimizer states")
     # Under checkpointing nothing saves the low-precision copies autocast caches of trainable
-    # weights, but the cache holds them until the forward's autocast region ends.
-    # Llama 4's copies are made layer by layer, as each matmul first runs (moe_forward_peaks)
+    # weights, but the cache holds them until the forward's autocast region ends; each is made
+    # as its matmul first runs, layer by layer (layer_autocast_copies)
     by_layer = bool(saved.autocast_cache_by_layer)
     autocast_cache = builder.alloc(
         "autocast_cache", sizes.autocast_cache if ckpt and not by_layer else 0
@@ -1313,24 +1351,19 @@ def walk_step(
     kv_kept: dict[int, list[int]] = {}
     layer_kept: list[tuple[list[int], list[int]]] = []  # saved before and after attention
     for index, (before, after) in enumerate(saved.layer_entries):
-        recomputed = saved.recomputed_entries[index]
-        recomputed_later = [n for part in recomputed for n in part] if ckpt else []
         kv_cache += builder.alloc_all("kv_cache", sizes.kv_cache[index] if cached else ())
         kept = sizes.kept_kv[index]
         if not cached:
             in_forward = kept.unsaved + (kept.saved if ckpt else [])
             kv_kept[index] = builder.alloc_all("activations", in_forward)
         layout.forward_enter(builder, f"layer {index}")
-        if saved.moe_peaks and saved.moe_peaks[index]:
-            # Llama 4's MoE block holds more than the attention; a checkpointed layer's saved
-            # tensors die as its forward lets go of them (moe_forward_peaks)
-            recomputed_later = []
-        if index in spec.linear_attention_layers:  # deltanet_forward_peak holds what it needs
-            recomputed_later = []
-        attention_copies, moe_copies = saved.autocast_cache_by_layer or ([], [])
+        attention_copies, moe_copies = (
+            saved.autocast_cache_by_layer[index] if saved.autocast_cache_by_layer else ([], [])
+        )
         cached_copies += [builder.alloc("autocast_cache", n) for n in attention_copies]
         transient = sizes.layer_fwd_transient[index]
-        builder.mark("forward", f"layer {index}", transient + recomputed_later)
+        # checkpoint's saved-tensor hooks drop what a checkpointed layer saves: not held here
+        builder.mark("forward", f"layer {index}", transient)
         # the model's forward holds its masks, and its embedding output past the first layer
         held_by_model = saved.forward_masks + saved.embedding_output * (index > 0)
         for held in saved.moe_peaks[index] if saved.moe_peaks else ():
@@ -1378,6 +1411,8 @@ def walk_step(
         # then log_softmax's output and the shifted targets (saved.loss); the upcast is freed
         # once log_softmax has run.
         builder.at("loss", "logits, fp32 upcast, log_softmax")
+        # autocast casts lm_head's weight before its matmul allocates the logits
+        weight_copy = builder.alloc("logits_and_loss", sizes.lm_head_copy)
         logits = builder.alloc("logits_and_loss", sizes.logits_p)
         if spec.logits_scaling is not None:
             # logits / logits_scaling: lm_head's output is freed once the quotient is made
@@ -1427,11 +1462,13 @@ def walk_step(
             )
         if spec.logits_scaling is not None:
             builder.mark("backward", "logits_scaling backward", [sizes.logits_p], "logits_and_loss")
-        loss_saved = [logits_grad]
+        # lm_head's backward reads its weight copy: freed with the logits' gradient after it
+        loss_saved = [t for t in (logits_grad, weight_copy) if t is not None]
     if "flce" not in kernels:  # the pre-backward hook on lm_head's output, the logits
         layout.backward_enter(builder, "tail")
     builder.at("backward", "lm_head backward")
     lm_head_part = "embedding" if tied else "lm_head"
+    lm_head_grads: list[int] = []
     if "flce" in kernels and not sizes.flce_grads_to_fp32:
         # FLCE computed dX and dW in its forward; backward hands them on as they are.
         grad_hidden = builder.retag(loss_saved[0], "transient")
@@ -1445,8 +1482,13 @@ def walk_step(
     else:
         if "flce" in kernels:  # under autocast dX and dW are cast to the fp32 inputs' dtype
             builder.mark("backward", "FLCE gradients cast to fp32", sizes.flce_grads_to_fp32)
-        keep_gradients("tail", lm_head_part, sizes.lm_head_grad)
+        lm_head_grads = keep_gradients("tail", lm_head_part, sizes.lm_head_grad)
+        # lm_head's backward matmuls are the autograd thread's first (not FLCE's backward)
+        if lm_head_grads and "flce" not in kernels:
+            start_autograd_workspace(builder, run, sizes.workspace)
         grad_hidden = builder.alloc("transient", sizes.grad_hidden)
+        if "flce" not in kernels:
+            start_autograd_workspace(builder, run, sizes.workspace)
         builder.mark("backward", "lm_head backward")
         builder.free_all(loss_saved)
     if hidden_scaled:  # the gradient divided by logits_scaling, a new tensor beside the first
@@ -1456,8 +1498,7 @@ def walk_step(
         keep_gradients("tail", "final_norm")
         layout.backward_exit(builder, "tail", run, sync)
 
-    if len(run.workspaces) == 1:  # the autograd thread's, at its first matmul
-        run.workspaces.append(builder.alloc("cublas_workspace", sizes.workspace))
+    start_autograd_workspace(builder, run, sizes.workspace)
     for index in reversed(range(len(saved.layer_entries))):
         gradients = sizes.gradients[index]
         label = f"layer {index} backward"
@@ -1535,7 +1576,11 @@ def walk_step(
         builder.at("backward", "embedding backward")
         if not tied:
             layout.backward_enter(builder, "embedding")
-        if tied:
+        if tied and lm_head_grads and "flce" not in kernels:
+            # autograd's input buffer adds the embedding's gradient to lm_head's out of place
+            # (to FLCE's fp32 dW in place, as the elif below does)
+            sum_tied_gradients(builder, run, lm_head_grads[0], embedding_grad)
+        elif tied:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
             # (no FLCE) plus the embedding's make a third tensor, their sum; FLCE's dW is summed
             # in place. Measured on an H200 (qwen2.5-1.5b, batch 1 x 256, SGD with momentum and
@@ -1554,6 +1599,29 @@ def walk_step(
     builder.mark("backward", "end of backward")
     layout.backward_end(builder, run, sync)
     return walk
+
+
+def start_autograd_workspace(builder: StepBuilder, run: RunTensors, nbytes: int) -> None:
+    """The autograd thread's cuBLAS workspace, made as its first matmul launches (after that
+    matmul's output), once."""
+    if len(run.workspaces) == 1:
+        run.workspaces.append(builder.alloc("cublas_workspace", nbytes))
+
+
+def sum_tied_gradients(
+    builder: StepBuilder, run: RunTensors, lm_head_grad: int, embedding_grad: int
+) -> None:
+    """The tied weight's two gradients meet in autograd's input buffer: the embedding
+    backward's dense gradient, then their sum (a new tensor, the weight's gradient from here on),
+    then both addends freed, lm_head's first."""
+    addend = builder.alloc("transient", embedding_grad)
+    total = builder.alloc("gradients", embedding_grad)
+    builder.mark("backward", "embedding backward")
+    builder.free(lm_head_grad)
+    run.gradients.remove(lm_head_grad)
+    builder.free(addend)
+    if total is not None:
+        run.gradients.append(total)
 
 
 def alloc_saved_after(

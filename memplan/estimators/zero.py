@@ -47,6 +47,9 @@ NORM_BYTES = 8
 
 
 class Zero(OneGpu):
+    # the model as built before DeepSpeed takes it is not walked
+    builds_whole_model = False
+
     def __init__(self, spec: ModelSpec, setup: TrainSetup) -> None:
         super().__init__(spec, setup)
         assert setup.strategy is not None
