@@ -32,6 +32,7 @@ from memplan.estimators.contracts import (
     autocast_weight_tensors,
     every_expert_moe_backward,
     every_expert_moe_peaks,
+    fused_attention_kernel,
     gemma_norms,
     kv_cache_shares_saved,
     kv_path_saved,
@@ -792,7 +793,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             else (
                 []
                 if attention_path(ctx) == "scores"
-                else attention_backward_transient(ctx.spec, tokens, p)
+                else attention_backward_transient(ctx.spec, tokens, p, cudnn_runs(ctx))
             )
             + ([tokens * p * h] if ctx.spec.attention_output_gate else [])
             for ctx in contexts
@@ -864,13 +865,28 @@ def mlp_backward_transient(
     return [tokens * p * inter] * (1 if glu_in_place else 3) + [tokens * p * h] * 2
 
 
-def attention_backward_transient(layer: ModelSpec, tokens: int, p: int) -> list[int]:
+def attention_backward_transient(
+    layer: ModelSpec, tokens: int, p: int, cudnn: bool = False
+) -> list[int]:
     """What one layer's (a ModelSpec.layer view) fused attention backward holds: dq, dk, dv and
-    an fp32 dq accumulator."""
+    its scratch: cuDNN's workspace for an unmasked call (two fp32 tensors of q's size, an fp32
+    per query row and 512 bytes: traced/sdpa.backward_scratch_bytes, every recorded H100
+    trace), else an fp32 dq accumulator."""
     nh, kv, hd = layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
     vd = layer.value_dim  # latent attention's v heads are narrower than q's and k's
     dq, dk = tokens * p * nh * hd, tokens * p * kv * hd
-    return [dq, dk, tokens * p * kv * vd, tokens * FP32 * nh * hd]
+    accumulator = tokens * FP32 * nh * hd
+    scratch = 2 * accumulator + tokens * nh * FP32 + 512 if cudnn else accumulator
+    return [dq, dk, tokens * p * kv * vd, scratch]
+
+
+def cudnn_runs(ctx: LayerContext) -> bool:
+    """cuDNN runs this layer's attention on the GPU (the fused path's kernel)."""
+    return (
+        ctx.backend == "cuda"
+        and attention_path(ctx) == "fused"
+        and fused_attention_kernel(ctx) == "cudnn"
+    )
 
 
 def kv_cache_dtypes(

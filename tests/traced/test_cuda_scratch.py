@@ -81,21 +81,21 @@ def test_a_reduction_casts_its_input_where_its_output_dtype_differs() -> None:
     assert reduction_cast_blocks(halves, torch.bfloat16) == []
 
 
-@pytest.mark.parametrize(
-    "path", [p for p in EDGE if "adamw-fused" in p.name], ids=lambda p: p.name[:14]
-)
-def test_the_traced_step_runs_out_of_memory_where_the_gpu_did(path: Path) -> None:
-    """qwen3-0.6b with fused AdamW and the plan ran out of memory in step 3 on an H100 (batch
-    35) and an H200 (batch 63), asking for cuDNN's attention-backward workspace: the traced step
-    does too, at the recorded reserved bytes."""
+@pytest.mark.parametrize("path", EDGE, ids=lambda p: p.name.split("_s2048")[0])
+def test_the_traced_step_decides_the_edge_as_the_gpu_did(path: Path) -> None:
+    """Runs within 1.1 GB of the capacity: qwen3-0.6b with fused AdamW and the plan ran out of
+    memory in step 3 on an H100 (batch 35) and an H200 (batch 63), asking for cuDNN's
+    attention-backward workspace; llama-3.2-1b under amp at batch 40 ran on an H200 with
+    0.34 GB to spare, after releasing its cache (autocast's weight copies made before the
+    inputs' decide which blocks fit). The traced step gives each verdict at the recorded
+    reserved bytes."""
     m = recorded(path)
-    assert m.status == "oom"
     gpu = resolve_gpu("h200" if m.env["gpu"].endswith("H200") else "h100")
     spec = spec_from_config(dict(m.hf_config, model_type=m.model_type), m.model)
     reserved = traced_reserved(spec, m.setup, gpu)
-    assert not reserved.runs
+    assert reserved.runs == (m.status == "ok")
     held = peak = 0
     for action, _, size in m.allocator_trace:
         held += {"segment_alloc": size, "segment_free": -size}.get(action, 0)
         peak = max(peak, held)
-    assert reserved.reserved_bytes == peak
+    assert reserved.reserved_bytes == (m.reserved_bytes if reserved.runs else peak)
