@@ -11,7 +11,7 @@ import json
 import re
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -171,12 +171,15 @@ def main(
     measure: Callable[[argparse.Namespace], int],
     table: Callable[[argparse.Namespace], int],
     timeout_s: float,
+    setup_sets: Sequence[str] = (),
 ) -> int:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("predict")
     p.add_argument("--gpu", default="h100")
     p.add_argument("--out", required=True)
+    if setup_sets:
+        p.add_argument("--setups", choices=setup_sets, default=setup_sets[0])
     m = sub.add_parser("measure")
     m.add_argument("predictions")
     m.add_argument("--out-dir", required=True)

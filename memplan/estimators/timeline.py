@@ -89,11 +89,25 @@ OPTIMIZER_STATES: dict[str, tuple[float, float]] = {
     "adafactor": (0, 0),
 }
 PER_TENSOR_STEP = ("adafactor",)
-# Optimizers whose states do not follow the parameters' dtype: (state bytes, step temporary
-# bytes) per trainable element. bitsandbytes' AdamW8bit: two uint8 states plus one fp32 absmax
-# per 2048-element block each, updated in place by one fused kernel (not measured here:
-# bitsandbytes is not on the measurement machine).
-QUANTIZED_STATE_BYTES: dict[str, tuple[float, float]] = {"adamw-8bit": (2 + 2 * 4 / 2048, 0)}
+# bitsandbytes' AdamW8bit (0.50, Optimizer2State.init_state): tensors of fewer elements keep
+# two fp32 states; larger ones two uint8 states and an fp32 absmax per block of each, after the
+# two 256-entry fp32 quantization maps the first one moves to the GPU.
+BNB_MIN_8BIT_ELEMENTS = 4096
+BNB_BLOCK = 256
+BNB_QMAP_BYTES = 256 * 4
+
+
+def bnb_8bit_states(tensors: list[int]) -> list[list[int]]:
+    """Per trainable tensor (elements), the blocks AdamW8bit allocates at its first step."""
+    states, maps = [], [BNB_QMAP_BYTES, BNB_QMAP_BYTES]
+    for n in tensors:
+        if n < BNB_MIN_8BIT_ELEMENTS:
+            states.append([n * FP32, n * FP32])
+            continue
+        absmax = -(-n // BNB_BLOCK) * FP32
+        states.append([*maps, n, n, absmax, absmax])
+        maps = []
+    return states
 
 
 def cublas_workspace_bytes(gpu: Gpu | None) -> int:
@@ -663,9 +677,8 @@ def optimizer_tensors(
     lora = bool(setup.lora_rank)
     element = layout.state_element(FP32 if lora else dtypes.param)
     tensors = layout.local_trainable(trainable_tensors(spec, setup))
-    if setup.optimizer in QUANTIZED_STATE_BYTES:
-        per_element, _ = QUANTIZED_STATE_BYTES[setup.optimizer]
-        return [[int(n * per_element)] for n in tensors], []
+    if setup.optimizer == "adamw-8bit":  # updated in place by one kernel per tensor
+        return bnb_8bit_states(tensors), []
     state_elems, temp_elems = OPTIMIZER_STATES[setup.optimizer]
     # states take each tensor's dtype: an fp32-kept router's on one GPU (router_weights_fp32)
     widths = [element] * len(tensors)
