@@ -188,7 +188,7 @@ def route(
         raise RuntimeError("scaled_dot_product_attention: key heads differ without enable_gqa")
     kernel = choose_kernel(call, compute_capability, CUDNN_RELEASE)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = _additive_mask(attn_mask, query.dtype, kernel)
+        attn_mask = _additive_mask(attn_mask, query.dtype)
     requires_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
@@ -295,13 +295,10 @@ def _math_with_fused_dropout(
     return probs @ value
 
 
-def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, kernel: Kernel) -> torch.Tensor:
-    """convert_boolean_attn_mask(_cudnn): where(mask, 0, -inf) in q's dtype, the two values 0-d
-    tensors on the GPU made first and released last-made first (an H100 allocation trace of
-    gemma-3-1b: no inverted mask is made); cuDNN: where(~mask, -65504, 0) with a CPU zero, so no
-    0-d tensor on the GPU."""
-    if kernel == "cudnn":
-        return torch.where(mask.logical_not(), -65504.0, torch.scalar_tensor(0.0, dtype=dtype))
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """convert_boolean_attn_mask: where(mask, 0, -inf) in q's dtype, the two values 0-d tensors
+    on the GPU made first and released last-made first, for cuDNN too (H100 allocation traces of
+    gemma-3-1b, whose sliding layers run cuDNN with a mask: no inverted mask is made)."""
     zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
     return torch.where(
         mask, zero, torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)

@@ -583,19 +583,3 @@ def test_flce_option_combinations(
         if got is not None and got.requires_grad:
             assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-6)
 
-
-def test_torch_compile_fullgraph():
-    """dynamo traces the whole call through the custom op, forward and backward (the GPU test
-    compiles it with inductor)."""
-    torch._dynamo.reset()
-    x = torch.randn(13, 16, requires_grad=True)
-    w = torch.randn(37, 16, requires_grad=True)
-    target = torch.randint(0, 37, (13,))
-    compiled = torch.compile(fused_linear_cross_entropy, backend="aot_eager", fullgraph=True)
-    got = compiled(x, w, target, chunk_size=4)
-    ref = reference_fused_linear_cross_entropy(x, w, target)
-    got_grads = torch.autograd.grad(got, (x, w))
-    ref_grads = torch.autograd.grad(ref, (x, w))
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    for g, r in zip(got_grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
