@@ -15,7 +15,9 @@ The tracker allocates them, in order, right after the op's outputs and frees the
   n / 10 + min(n, rows) segments in fp32 (opmath) with their offsets;
 - a sum, mean, prod or nansum whose input dtype is not its output's (make_reduction in
   ReduceOps.cpp casts the input first; fp16/bf16 into fp32 excepted): the input cast to the output
-  dtype, e.g. an int64 copy of the bool mask FLCE counts its targets with."""
+  dtype, e.g. an int64 copy of the bool mask FLCE counts its targets with;
+- then, where the reduction kernel splits each output's inputs across CTAs, its staging buffer
+  and semaphores (cuda_reduce), e.g. every RMSNorm weight gradient's sum over the tokens."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import math
 
 import torch
 
+from memplan.traced.cuda_reduce import REDUCTIONS, CudaDevice, reduction_staging_blocks
 from memplan.traced.sdpa import backward_scratch_bytes
 
 # Sorts of at most this many keys run in place in one block (sortKeyValueInplace, Sort.cu).
@@ -39,13 +42,20 @@ EMBEDDING_DIRECT_IDS = 3072
 # Rows of one partial sum in the dense embedding backward (NROWS_PER_THREAD).
 EMBEDDING_ROWS_PER_PARTIAL = 10
 
-_REDUCTIONS = ("sum", "mean", "prod", "nansum")
+# A kernel's blocks in allocation order; a nested list is one launch of several, its blocks
+# allocated and freed before the next's (a reduction split for 32-bit indexing).
+Scratch = list["int | Scratch"]
 
 
 def scratch_blocks(
-    func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object
-) -> list[int]:
-    """The blocks CUDA allocates for `func` beyond its outputs `out`, in allocation order."""
+    func: torch._ops.OpOverload,
+    args: tuple,
+    kwargs: dict,
+    out: object,
+    device: CudaDevice | None = None,
+) -> Scratch:
+    """The blocks CUDA allocates for `func` beyond its outputs `out`, in allocation order, on
+    `device` (None: an H100)."""
     name = func.overloadpacket.__name__
     if name == "sort":
         return sort_scratch_blocks(args[0], kwargs.get("dim", args[1] if len(args) > 1 else -1))
@@ -53,8 +63,10 @@ def scratch_blocks(
         return safe_softmax_scratch_bytes(args, out)
     if name == "embedding_dense_backward":
         return embedding_backward_blocks(args[0], args[1], args[2])
-    if name in _REDUCTIONS and isinstance(out, torch.Tensor):
-        return reduction_cast_blocks(args[0], out.dtype)
+    if name in REDUCTIONS and isinstance(out, torch.Tensor):
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        staging = reduction_staging_blocks(name, args[0], out, dims, device or CudaDevice())
+        return [*reduction_cast_blocks(args[0], out.dtype), *staging]
     return [
         size
         for size in (backward_scratch_bytes(func, args), softmax_backward_scratch_bytes(func, args))

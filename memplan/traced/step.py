@@ -22,6 +22,7 @@ from memplan.estimators.timeline import cublas_workspace_bytes
 from memplan.patching.forwards import DeviceFacts
 from memplan.schema import Gpu, TrainSetup
 from memplan.traced.autocast import Autocast
+from memplan.traced.cuda_reduce import CudaDevice
 from memplan.traced.emulation import CudaSemantics
 from memplan.traced.tracker import AllocationTracker, Recorder, Where
 from memplan.verify import protocol
@@ -277,7 +278,8 @@ def trace_steps(
         run.lora_targets = tuple(sorted(targets)) if targets else ()
     vocab = _text_config(getattr(model, "config", config)).get("vocab_size") or 2
     try:
-        with quiet(), AllocationTracker(recorder), semantics:
+        device = CudaDevice.of(gpu.sm_count if gpu else None, capability)
+        with quiet(), AllocationTracker(recorder, device=device), semantics:
             ids = torch.randint(0, vocab, (setup.batch, setup.seq), device="meta")
             _tag(recorder, ids, "inputs")
             opt = make_optimizer(params, setup.optimizer)

@@ -6,7 +6,8 @@ whose storage it has not seen is an allocation, and a weakref callback on that s
 its release when the last tensor or autograd node holding it lets go (storages keep their Python
 object while the C++ storage lives, so the callback fires exactly then). What a CUDA kernel
 allocates beside its outputs is added by name: the cuBLAS workspace of each thread's first GEMM,
-and the blocks of cuda_scratch (attention and softmax backward, sorts, casting reductions).
+and the blocks of cuda_scratch (attention and softmax backward, sorts, reductions' casts and
+staging buffers).
 Where autograd sums two gradients of one tensor it adds the second into the first on the GPU,
 and out of place under any dispatch mode: the tracker adds in place where the GPU would
 (sums_gradients_in_place)."""
@@ -25,7 +26,8 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memplan.traced.cuda_scratch import scratch_blocks
+from memplan.traced.cuda_reduce import CudaDevice
+from memplan.traced.cuda_scratch import Scratch, scratch_blocks
 from memplan.traced.sdpa import adds_mask_in_place
 
 # Ops that run on a cuBLAS handle: the first one on a thread creates that thread's workspace.
@@ -420,10 +422,16 @@ _META_OUTPUTS = {"_grouped_mm": _grouped_mm_output, "bincount": _bincount_output
 class AllocationTracker(TorchDispatchMode):
     """Records the allocations of every aten op run under it into `recorder`."""
 
-    def __init__(self, recorder: Recorder, cache: MetaOpCache | None = None) -> None:
+    def __init__(
+        self,
+        recorder: Recorder,
+        cache: MetaOpCache | None = None,
+        device: CudaDevice | None = None,
+    ) -> None:
         super().__init__()
         self.recorder = recorder
         self.cache = cache if cache is not None else MetaOpCache()
+        self.device = device or CudaDevice()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
@@ -447,8 +455,18 @@ class AllocationTracker(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 recorder.track(leaf)
-        blocks = scratch_blocks(func, args, kwargs, out)
-        scratch = [recorder.alloc(size, "transient") for size in blocks]
-        for key in reversed(scratch):
-            recorder.free(key)
+        allocate_scratch(recorder, scratch_blocks(func, args, kwargs, out, self.device))
         return out
+
+
+def allocate_scratch(recorder: Recorder, blocks: Scratch) -> None:
+    """Allocate a kernel's scratch blocks in order and free them in reverse; a nested list's
+    blocks are allocated and freed in between (one launch of several)."""
+    keys = []
+    for block in blocks:
+        if isinstance(block, list):
+            allocate_scratch(recorder, block)
+        else:
+            keys.append(recorder.alloc(block, "transient"))
+    for key in reversed(keys):
+        recorder.free(key)

@@ -582,4 +582,3 @@ def test_flce_option_combinations(
     for got, want in zip(leaves, twins):
         if got is not None and got.requires_grad:
             assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-6)
-
