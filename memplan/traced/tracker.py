@@ -449,12 +449,13 @@ class AllocationTracker(TorchDispatchMode):
         out = special(args, kwargs) if special else None
         if out is None:
             out = self.cache.run(func, args, kwargs)
-        if name in GEMM_OPS:
-            # The autograd engine runs CUDA backward on a thread of its own, with its own handle.
-            recorder.workspace("autograd" if recorder.where.phase == "backward" else "main")
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 recorder.track(leaf)
+        if name in GEMM_OPS:
+            # After the op's output (ATen allocates it before it calls cuBLAS); the autograd
+            # engine runs CUDA backward on a thread of its own, with its own handle.
+            recorder.workspace("autograd" if recorder.where.phase == "backward" else "main")
         allocate_scratch(recorder, scratch_blocks(func, args, kwargs, out, self.device))
         return out
 
