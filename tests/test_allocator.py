@@ -22,6 +22,7 @@ from memplan.estimators.allocator import (
     segment_size,
 )
 from memplan.estimators.events import Event
+from memplan.estimators.timeline import step_sizes, walk_run
 from memplan.schema import Measurement
 from memplan.verify.predict import measured_gpu, ran_setup, spec_from_hf_config
 
@@ -92,6 +93,37 @@ def test_the_analytic_stream_reserves_what_the_recorded_run_reserved(name: str) 
     predicted = predict_reserved(spec, ran_setup(m), gpu)
     assert predicted.runs
     assert predicted.reserved_bytes == pytest.approx(m.reserved_bytes, rel=0.025)
+
+
+# Recorded runs and blocks only CUDA kernels' scratch makes there (sizes no tensor of the step
+# shares): reductions' semaphores (RMSNorm weight and bias gradients), the dense embedding
+# backward's partial sums, memplan's embedding kernel's cub sort storage.
+SCRATCH_TRACES = {
+    "llama-3.2-1b_b4_s2048_bf16_hf": (64, 73818112),
+    "gemma-2-2b-l6_b2_s2048_bf16_eager_hf": (72, 41518080),
+    "gemma-3-1b_b2_s2048_amp-bf16_hf": (36, 20759040),
+    "qwen2.5-1.5b_b4_s2048_bf16_hf": (48, 55363584),
+    "qwen3-0.6b_b2_s4096_bf16_gc_hf": (32, 36909056),
+    "mixtral-8x7b-l2_b2_s1024_bf16_hf": (128,),
+    "llama-3.2-1b_b4_s2048_bf16_rms-rope-swiglu-flce-emb_budget1504MiB": (150015,),
+    "llama-3.2-3b_b2_s4096_bf16_rms-rope-swiglu-flce_budget1754MiB": (110727168,),
+}
+
+
+@pytest.mark.parametrize("name", SCRATCH_TRACES)
+def test_the_analytic_stream_allocates_the_recorded_kernels_scratch(name: str) -> None:
+    """The walk's stream over the recorded run's steps allocates each of these scratch blocks as
+    many times as the run did (estimators/kernel_scratch.py, shared with the traced step)."""
+    path = Path(__file__).parent / "data" / "allocator_traces" / f"{name}.json.gz"
+    m = Measurement.model_validate_json(gzip.open(path, "rt").read())
+    spec = spec_from_hf_config(m.hf_config, m.model)
+    setup = ran_setup(m)
+    sizes = step_sizes(spec, setup, measured_gpu(m, resolve_gpu("H100")), "cuda")
+    _, log = walk_run(spec, setup, sizes, steady_steps=m.steps - 1)
+    for size in SCRATCH_TRACES[name]:
+        recorded = sum(1 for row in m.allocator_trace if row[0] == "alloc" and row[2] == size)
+        walked = sum(1 for e in log.events if e.action == "alloc" and e.nbytes == size)
+        assert walked == recorded > 0, size
 
 
 def test_rounding_and_segment_sizes() -> None:

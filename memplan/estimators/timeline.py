@@ -51,6 +51,12 @@ from memplan.estimators.deltanet import (
     deltanet_forward_peak,
 )
 from memplan.estimators.events import EventLog
+from memplan.estimators.kernel_scratch import (
+    CudaDevice,
+    embedding_backward_bytes,
+    sort_blocks,
+    sum_staging_blocks,
+)
 from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
 from memplan.estimators.param_tensors import model_param_tensors, param_tensors
 from memplan.estimators.params import (
@@ -618,6 +624,11 @@ class StepBuilder:
         self.free_all(reversed(held))
 
 
+# A kernel's scratch in backward: the tensors alive beside it (a weight gradient's summand),
+# then its blocks in allocation order (a nested list: one launch of several, kernel_scratch).
+ScratchSum = tuple[list[int], list]
+
+
 @dataclass(frozen=True)
 class StepSizes:
     """Every byte count the walk needs, computed once; lists are one allocation per entry."""
@@ -659,6 +670,11 @@ class StepSizes:
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
     flce_grads_to_fp32: list[int]
+    # CUDA kernels' scratch in backward (kernel_scratch): per layer, the sums after the MLP's
+    # backward and after attention's; the final norm's; the embedding backward's.
+    layer_bwd_scratch: list[tuple[list[ScratchSum], list[ScratchSum]]] = field(default_factory=list)
+    final_norm_scratch: list[ScratchSum] = field(default_factory=list)
+    embedding_scratch: ScratchSum = ([], [])
 
     @property
     def states(self) -> int:
@@ -749,6 +765,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
     # Under autocast FLCE casts the fp32 hidden states and lm_head weight to bf16 copies.
     autocast_copies = [tokens * h * p, spec.vocab_size * h * p] if dtypes.autocast else []
     contexts = layer_contexts(spec, setup, dtypes, backend, under_autocast)
+    device = cuda_device(gpu)
     return StepSizes(
         counts=counts,
         param_bytes=weights.param,
@@ -823,7 +840,87 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         flce_grads_to_fp32=[tokens * h * FP32] + ([] if lora else [spec.vocab_size * h * FP32])
         if autocast_copies
         else [],
+        layer_bwd_scratch=[
+            layer_backward_scratch(ctx, tokens, weights.param, device) for ctx in contexts
+        ],
+        final_norm_scratch=[
+            norm_weight_sum(spec, tokens, h, dtypes.residual, weights.param, device)
+        ]
+        if backend == "cuda" and not lora and spec.norm == "rms" and "rms_norm" not in setup.kernels
+        else [],
+        embedding_scratch=embedding_backward_scratch(spec, setup, tokens, backend),
     )
+
+
+def cuda_device(gpu: Gpu | None) -> CudaDevice:
+    """What the reductions' launch configuration reads of the GPU (None: an H100)."""
+    return CudaDevice.of(gpu.sm_count if gpu else None, gpu.compute_capability if gpu else None)
+
+
+def norm_weight_sum(
+    spec: ModelSpec, rows: int, width: int, p_in: int, param: int, device: CudaDevice
+) -> ScratchSum:
+    """A Hugging Face RMSNorm's weight gradient: grad * normed (weight * h.to(dtype)'s product
+    dtype; Gemma's in fp32) summed over its rows into a tensor of that dtype."""
+    scalar = FP32 if gemma_norms(spec) else max(p_in, param)
+    return [rows * width * scalar], sum_staging_blocks((rows, width), (0,), scalar, scalar, device)
+
+
+def bias_sum(rows: int, width: int, p: int, device: CudaDevice) -> ScratchSum:
+    """A Linear's bias gradient: its output's gradient summed over the tokens."""
+    return [], sum_staging_blocks((rows, width), (0,), p, p, device)
+
+
+def layer_backward_scratch(
+    ctx: LayerContext, tokens: int, param: int, device: CudaDevice
+) -> tuple[list[ScratchSum], list[ScratchSum]]:
+    """The CUDA sums of a layer's trainable norms' weight gradients and biases' gradients, by
+    where the walk runs them: after the MLP's backward (its biases, the norms between it and
+    attention) and after attention's (its biases, the head norms, the input norm)."""
+    spec, d = ctx.spec, ctx.dtypes
+    if ctx.backend != "cuda" or not ctx.trainable_base:
+        return [], []
+    h, p = spec.hidden_size, d.proj
+    hf_norm = spec.norm == "rms" and "rms_norm" not in ctx.kernels
+    before_attention = 3 if spec.sandwich_norm else 2 if spec.post_norm else 1
+    after_attention = 0 if spec.post_norm else 1
+    mlp: list[ScratchSum] = []
+    attention: list[ScratchSum] = []
+    if spec.mlp_bias and not ctx.moe:  # down_proj's, then up_proj's and gate_proj's
+        inter = spec.intermediate_size
+        widths = [h] + ([2 * inter] if spec.fused_gate_up else [inter, inter])
+        mlp += [bias_sum(tokens, w, p, device) for w in widths]
+    if hf_norm:
+        mlp += [norm_weight_sum(spec, tokens, h, d.residual, param, device)] * before_attention
+    nh, kv, hd = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+    if spec.attention_out_bias and not spec.deltanet:
+        attention.append(bias_sum(tokens, h, p, device))
+    if spec.qk_norm and hf_norm and not spec.mla:
+        by_head = spec.qk_norm_scope == "head"
+        attention += [  # k_norm's, then q_norm's
+            norm_weight_sum(spec, tokens * n, hd, p, param, device)
+            if by_head
+            else norm_weight_sum(spec, tokens, n * hd, p, param, device)
+            for n in (kv, nh)
+        ]
+    if spec.attention_bias and not spec.deltanet and not spec.mla:  # v's, k's, then q's
+        attention += [bias_sum(tokens, w * hd, p, device) for w in (kv, kv, nh)]
+    if hf_norm:
+        attention += [norm_weight_sum(spec, tokens, h, d.residual, param, device)] * after_attention
+    return mlp, attention
+
+
+def embedding_backward_scratch(
+    spec: ModelSpec, setup: TrainSetup, tokens: int, backend: str
+) -> ScratchSum:
+    """The embedding backward's scratch beside its gradient: CUDA's dense kernel's (sorted ids,
+    segments, partial sums), or memplan's kernel's sort of the ids (its sorted ids and their
+    positions, then the sort's iota and cub's storage)."""
+    if backend != "cuda" or setup.lora_rank:
+        return [], []
+    if "embedding" in setup.kernels:
+        return [tokens * INT64] * 2, sort_blocks(tokens)
+    return [], embedding_backward_bytes(tokens, spec.hidden_size, spec.vocab_size)
 
 
 def qkv_widths(layer: ModelSpec) -> tuple[int, int, int]:
@@ -1522,6 +1619,7 @@ def walk_step(
         builder.free_all(loss_saved)
     if hidden_scaled:  # the gradient divided by logits_scaling, a new tensor beside the first
         builder.mark("backward", "logits_scaling backward", [sizes.residual])
+    play_scratch(builder, "final norm backward", sizes.final_norm_scratch)
     builder.free(final_norm)
     if layout.owns_gradients():
         keep_gradients("tail", "final_norm")
@@ -1551,6 +1649,7 @@ def walk_step(
         # The MLP's backward runs first, writing its weights' gradients among its temporaries;
         # by attention's, what the layer saved after attention is freed.
         kept_before, kept_after = layer_kept[index]
+        scratch = sizes.layer_bwd_scratch[index] if sizes.layer_bwd_scratch else ([], [])
         for part, nbytes, transient, kept in (
             ("mlp", gradients.mlp, sizes.mlp_bwd_transient[index], kept_after),
             ("attention", gradients.attention, sizes.attention_bwd_transient[index], kept_before),
@@ -1561,12 +1660,14 @@ def walk_step(
                 program = saved.moe_backward[index]
                 grads = play_moe_backward(builder, program, names, kept, label, accumulating)
                 keep_gradients(f"layer {index}", part, *grads)
+                play_scratch(builder, label, scratch[part == "attention"])
                 continue
             if part == "attention" and sizes.attention_bwd_steps[index]:
                 names = (saved.recomputed_before_names if ckpt else saved.before_names)[index]
                 program = sizes.attention_bwd_steps[index]
                 grads = play_moe_backward(builder, program, names, kept, label, accumulating)
                 keep_gradients(f"layer {index}", part, *grads)
+                play_scratch(builder, label, scratch[part == "attention"])
                 continue
             delta = sizes.clamped_moe_bwd_delta
             if part == "mlp" and delta is not None and spec.moe_layer(index):
@@ -1579,6 +1680,7 @@ def walk_step(
             builder.mark("backward", label)
             builder.free_all(held)
             builder.free_all(kept)
+            play_scratch(builder, label, scratch[part == "attention"])
         keep_gradients(f"layer {index}", "norms", *gradients.norms)
         builder.free_all(checkpoint_input)
         builder.free_all([mask for mask, layer in masks if layer == index])
@@ -1605,22 +1707,30 @@ def walk_step(
         builder.at("backward", "embedding backward")
         if not tied:
             layout.backward_enter(builder, "embedding")
+        scratch = [sizes.embedding_scratch]  # made beside the embedding's gradient
         if tied and lm_head_grads and "flce" not in kernels:
             # autograd's input buffer adds the embedding's gradient to lm_head's out of place
             # (to FLCE's fp32 dW in place, as the elif below does)
-            sum_tied_gradients(builder, run, lm_head_grads[0], embedding_grad)
+            sum_tied_gradients(builder, run, lm_head_grads[0], embedding_grad, scratch)
         elif tied:
             # The tied weight's two gradients meet here. One lm_head gradient from autograd
             # (no FLCE) plus the embedding's make a third tensor, their sum; FLCE's dW is summed
             # in place. Measured on an H200 (qwen2.5-1.5b, batch 1 x 256, SGD with momentum and
             # Adafactor, whose peak falls here): one more vocab x hidden gradient without FLCE.
             copies = 1 if "flce" in kernels else 2
-            builder.mark("backward", "embedding backward", [embedding_grad] * copies)
+            grads = builder.alloc_all("transient", [embedding_grad] * copies)
+            play_scratch(builder, "embedding backward", scratch)
+            builder.mark("backward", "embedding backward")
+            builder.free_all(reversed(grads))
         elif accumulating:
             # The embedding backward's dense gradient, until it is added into the one there.
-            builder.mark("backward", "embedding backward", [embedding_grad])
+            grad = builder.alloc("transient", embedding_grad)
+            play_scratch(builder, "embedding backward", scratch)
+            builder.mark("backward", "embedding backward")
+            builder.free(grad)
         else:
             keep_gradients("embedding", "embedding", embedding_grad)
+            play_scratch(builder, "embedding backward", scratch)
         if not layout.owns_gradients():
             keep_gradients("tail", "final_norm", final_norm_grad)
         if not tied:
@@ -1638,12 +1748,17 @@ def start_autograd_workspace(builder: StepBuilder, run: RunTensors, nbytes: int)
 
 
 def sum_tied_gradients(
-    builder: StepBuilder, run: RunTensors, lm_head_grad: int, embedding_grad: int
+    builder: StepBuilder,
+    run: RunTensors,
+    lm_head_grad: int,
+    embedding_grad: int,
+    scratch: list[ScratchSum] = (),  # type: ignore[assignment]
 ) -> None:
     """The tied weight's two gradients meet in autograd's input buffer: the embedding
-    backward's dense gradient, then their sum (a new tensor, the weight's gradient from here on),
-    then both addends freed, lm_head's first."""
+    backward's dense gradient (its kernel's `scratch` beside it), then their sum (a new tensor,
+    the weight's gradient from here on), then both addends freed, lm_head's first."""
     addend = builder.alloc("transient", embedding_grad)
+    play_scratch(builder, "embedding backward", scratch)
     total = builder.alloc("gradients", embedding_grad)
     builder.mark("backward", "embedding backward")
     builder.free(lm_head_grad)
@@ -1651,6 +1766,28 @@ def sum_tied_gradients(
     builder.free(addend)
     if total is not None:
         run.gradients.append(total)
+
+
+def play_scratch(builder: StepBuilder, label: str, sums: Iterable[ScratchSum]) -> None:
+    """Each kernel's scratch in turn: the tensors beside it, then its blocks, allocated in order
+    and freed in reverse, a nested list's (one launch of several) in between."""
+    for beside, blocks in sums:
+        if not blocks:
+            continue
+        held = builder.alloc_all("transient", beside)
+        _play_blocks(builder, label, blocks)
+        builder.free_all(reversed(held))
+
+
+def _play_blocks(builder: StepBuilder, label: str, blocks: list) -> None:
+    held = []
+    for block in blocks:
+        if isinstance(block, list):
+            _play_blocks(builder, label, block)
+        else:
+            held += builder.alloc_all("transient", [block])
+    builder.mark("backward", label)
+    builder.free_all(reversed(held))
 
 
 def alloc_saved_after(

@@ -21,26 +21,15 @@ The tracker allocates them, in order, right after the op's outputs and frees the
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from memplan.estimators.kernel_scratch import (
+    cub_sort_pairs_bytes,
+    embedding_backward_bytes,
+    sort_blocks,
+)
 from memplan.traced.cuda_reduce import REDUCTIONS, CudaDevice, reduction_staging_blocks
 from memplan.traced.sdpa import backward_scratch_bytes
-
-# Sorts of at most this many keys run in place in one block (sortKeyValueInplace, Sort.cu).
-SMALL_SORT_KEYS = 4096
-# cub's onesweep radix sort of int64 keys with int64 values on sm90: items per tile (the
-# lookback's unit), passes of 8 bits each, and its temporaries' alignment.
-ONESWEEP_TILE_ITEMS = 4608
-RADIX_DIGITS = 256
-CUB_ALIGNMENT = 256
-
-# Up to this many ids the dense embedding backward sums rows directly, without sorting
-# (embedding_backward_feature_kernel).
-EMBEDDING_DIRECT_IDS = 3072
-# Rows of one partial sum in the dense embedding backward (NROWS_PER_THREAD).
-EMBEDDING_ROWS_PER_PARTIAL = 10
 
 # A kernel's blocks in allocation order; a nested list is one launch of several, its blocks
 # allocated and freed before the next's (a reduction split for 32-bit indexing).
@@ -97,9 +86,7 @@ def sort_scratch_blocks(keys: torch.Tensor, dim: int) -> list[int]:
     cub's storage. Other sorts (small, segmented, other key dtypes) are not modelled: none."""
     n = keys.numel()
     one_segment = keys.dim() == 0 or keys.shape[dim] == n
-    if keys.dtype != torch.int64 or n <= SMALL_SORT_KEYS or not one_segment:
-        return []
-    return [n * 8, cub_sort_pairs_bytes(n)]
+    return sort_blocks(n) if keys.dtype == torch.int64 and one_segment else []
 
 
 def embedding_backward_blocks(grad: torch.Tensor, ids: torch.Tensor, rows: int) -> list[int]:
@@ -107,33 +94,8 @@ def embedding_backward_blocks(grad: torch.Tensor, ids: torch.Tensor, rows: int) 
     (EmbeddingBackwardKernel.cu, the order of an H100 trace's blocks): sorted ids and their
     positions, segment offsets, the segment count, partials per segment and their offsets, the
     partial-segment count and offsets, and the partial sums (NROWS_PER_THREAD = 10 rows each)."""
-    n, width = ids.numel(), grad.shape[-1]
-    if n <= EMBEDDING_DIRECT_IDS:
-        return []
-    segments = min(n, rows)
-    partials = n // EMBEDDING_ROWS_PER_PARTIAL + segments
     opmath = 4 if grad.dtype in (torch.float16, torch.bfloat16, torch.float32) else 8
-    index = ids.element_size()
-    counts = [n * index, n * index, n * index, 8, segments * index, segments * index, 8]
-    return [*counts, partials * index, partials * width * opmath]
-
-
-def cub_sort_pairs_bytes(n: int, key_bytes: int = 8, value_bytes: int = 8) -> int:
-    """cub::DeviceRadixSort::SortPairs' temporary storage for n int64 keys with int64 values:
-    alternate key and value buffers, one 256-digit histogram of 8-byte counts per 8-bit pass, the
-    passes' counters, the lookback (one 256-digit row of 4-byte entries per tile), each aligned
-    to 256 bytes, and 255 bytes of slack for aligning the whole (AliasTemporaries). Matches the
-    block every recorded trace allocates: 8192 keys 150,015 B, 71,680 keys 1,180,159 B, 81,920
-    keys 1,346,047 B and 129,024 keys 2,109,951 B."""
-    passes = key_bytes
-    parts = (
-        n * key_bytes,
-        n * value_bytes,
-        passes * RADIX_DIGITS * 8,
-        passes * 4,
-        math.ceil(n / ONESWEEP_TILE_ITEMS) * RADIX_DIGITS * 4,
-    )
-    return sum(_aligned(part) for part in parts) + CUB_ALIGNMENT - 1
+    return embedding_backward_bytes(ids.numel(), grad.shape[-1], rows, ids.element_size(), opmath)
 
 
 def reduction_cast_blocks(source: torch.Tensor, dtype: torch.dtype) -> list[int]:
@@ -145,5 +107,4 @@ def reduction_cast_blocks(source: torch.Tensor, dtype: torch.dtype) -> list[int]
     return [source.numel() * dtype.itemsize]
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // CUB_ALIGNMENT) * CUB_ALIGNMENT
+__all__ = ["cub_sort_pairs_bytes", "scratch_blocks"]
