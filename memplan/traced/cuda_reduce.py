@@ -77,11 +77,3 @@ def _contiguous(shape: torch.Size) -> list[int]:
         strides.append(step)
         step *= max(n, 1)
     return strides[::-1]
-
-
-def _contiguous(shape: torch.Size) -> list[int]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return strides[::-1]
