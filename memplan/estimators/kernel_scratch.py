@@ -15,6 +15,7 @@ traced/cuda_reduce.py, which read the sizes and strides off meta tensors).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -94,8 +95,8 @@ def staging_blocks(
 ) -> list:
     """The staging buffer and semaphores of the reduction `it` of `scalar`-byte inputs summed
     in `opmath`-byte accumulators, read `vec` at a time: [] where one CTA reduces each output; a
-    list per 32-bit sub-iteration where the input is too large, after the opmath buffer that a
-    16-bit output of `lowp_out` bytes (0: none) accumulates in."""
+    list per distinct 32-bit sub-iteration where the input is too large, after the opmath
+    buffer that a 16-bit output of `lowp_out` bytes (0: none) accumulates in."""
     if it.can_use_32bit_indexing():
         return _blocks(it, scalar, opmath, vec, device)
     held = []
@@ -103,7 +104,8 @@ def staging_blocks(
         span = max([lowp_out, *(n * s for n, s in zip(it.shape, it.out, strict=True))])
         held.append(span // lowp_out * opmath)
     subs = (_blocks(sub, scalar, opmath, vec, device) for sub in split_32bit(it))
-    return [*held, *(blocks for blocks in subs if blocks)]
+    distinct = dict.fromkeys(tuple(blocks) for blocks in subs if blocks)
+    return [*held, *(list(blocks) for blocks in distinct)]
 
 
 def sum_staging_blocks(
@@ -188,23 +190,33 @@ def _coalesce(it: ReduceIter) -> None:
 
 
 def split_32bit(it: ReduceIter) -> list[ReduceIter]:
-    """with_32bit_indexing: halve the dimension of largest extent until each part fits, depth
-    first, the first half first (TensorIteratorBase::split; reductions are not re-coalesced)."""
-    parts, stack = [], [it]
-    while stack:
-        top = stack.pop()
-        if top.can_use_32bit_indexing():
-            parts.append(top)
-            continue
-        dim = max(
-            (d for d in reversed(range(len(top.shape))) if top.shape[d]),
-            key=lambda d: (top.shape[d] - 1) * max(abs(top.out[d]), abs(top.inp[d])),
-        )
-        first, rest = top.shape[dim] // 2, top.shape[dim] - top.shape[dim] // 2
-        step = top.inp[dim] * first
-        stack.append(ReduceIter(_with(top.shape, dim, rest), top.out, top.inp, top.offset + step))
-        stack.append(ReduceIter(_with(top.shape, dim, first), top.out, top.inp, top.offset))
-    return parts
+    """with_32bit_indexing's parts, each distinct one once, in the order they first run: halve
+    the dimension of largest extent until each part fits, depth first, the first half first
+    (TensorIteratorBase::split; reductions are not re-coalesced). Equal parts stage equal
+    blocks, each freed before the next part runs, so one stands for all (and a huge input's
+    millions of parts are never listed)."""
+    key = (tuple(it.shape), tuple(it.out), tuple(it.inp), it.offset % OFFSET_PERIOD)
+    return [ReduceIter(list(s), list(o), list(i), off) for s, o, i, off in _split(*key)]
+
+
+# The input offset matters to a part's staging only through its alignment (_output_vec_size).
+OFFSET_PERIOD = 4096
+
+
+@functools.cache
+def _split(shape: tuple, out: tuple, inp: tuple, offset: int) -> tuple:
+    top = ReduceIter(list(shape), list(out), list(inp), offset)
+    if top.can_use_32bit_indexing():
+        return ((shape, out, inp, offset),)
+    dim = max(
+        (d for d in reversed(range(len(shape))) if shape[d]),
+        key=lambda d: (shape[d] - 1) * max(abs(out[d]), abs(inp[d])),
+    )
+    first, rest = shape[dim] // 2, shape[dim] - shape[dim] // 2
+    step = inp[dim] * first
+    head = _split(tuple(_with(list(shape), dim, first)), out, inp, offset)
+    tail = _split(tuple(_with(list(shape), dim, rest)), out, inp, (offset + step) % OFFSET_PERIOD)
+    return tuple(dict.fromkeys(head + tail))
 
 
 def _blocks(it: ReduceIter, scalar: int, opmath: int, vec: int, device: CudaDevice) -> list[int]:
