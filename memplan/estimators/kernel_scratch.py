@@ -62,13 +62,13 @@ class ReduceIter:
     offset: int = 0
 
     def numel(self) -> int:
-        return _prod(self.shape)
+        return math.prod(self.shape)
 
     def num_reduce_dims(self) -> int:
         return sum(1 for s in self.out if s == 0)
 
     def num_outputs(self) -> int:
-        return _prod(n for n, s in zip(self.shape, self.out, strict=True) if s != 0 or n == 0)
+        return math.prod(n for n, s in zip(self.shape, self.out, strict=True) if s != 0 or n == 0)
 
     def can_use_32bit_indexing(self) -> bool:
         if self.numel() > INT32_MAX:
@@ -124,7 +124,7 @@ def sum_staging_blocks(
         out_strides.append(0 if d in reduced and shape[d] != 1 else out_step)
         step *= max(shape[d], 1)
         out_step *= 1 if d in reduced else max(shape[d], 1)
-    if not _prod(shape):
+    if not math.prod(shape):
         return []
     it = reduce_iter(shape, out_strides[::-1], in_strides[::-1])
     vec = 8 if scalar == 2 and name in WIDE_16BIT_LOADS else 4
@@ -302,13 +302,6 @@ def _last_pow2(n: int) -> int:
 
 def _div_up(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _prod(values) -> int:  # type: ignore[no-untyped-def]
-    total = 1
-    for v in values:
-        total *= v
-    return total
 
 
 # Sorts of at most this many keys run in place in one block (sortKeyValueInplace, Sort.cu).
