@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from memplan.estimators import kernel_contracts as kc
+from memplan.estimators.cudnn import CUDNN_RELEASE, cudnn_trains
 from memplan.estimators.deltanet import deltanet_saved
 from memplan.estimators.params import (
     LORA_TARGET_SHAPES,
@@ -597,15 +598,12 @@ def dropout_saved_bytes(ctx: LayerContext, input_bytes: int) -> int:
 
 
 def fused_attention_kernel(ctx: LayerContext) -> Literal["cudnn", "flash"] | None:
-    """The fused SDPA kernel of a bf16/fp16 layer without a mask on CUDA (sm90): cuDNN, unless
-    a head dim is over 128 (q/k 192 with v 128 taken: DeepSeek-V3's) or the dropout is not a
-    multiple of 1/16; else flash, which takes only one head dim for q, k and v (None: neither;
-    the memory-efficient kernel runs). As traced/sdpa.py's choose_kernel, for cuDNN releases
-    before 9.19."""
+    """The fused SDPA kernel of a bf16/fp16 layer without a mask on CUDA (sm90): cuDNN where
+    the assumed release trains its head dims and dropout (cudnn.cudnn_trains: from 9.19, head
+    dims up to 256, multiples of 8); else flash, which takes only one head dim for q, k and v
+    (None: neither; the memory-efficient kernel runs). As traced/sdpa.py's choose_kernel."""
     qk, v = ctx.spec.head_dim, ctx.spec.value_dim
-    dims = (qk <= 128 and v <= 128) or (qk == 192 and v == 128)
-    aligned = qk % 8 == 0 and v % 8 == 0
-    if dims and aligned and float(ctx.spec.attention_dropout * 16).is_integer():
+    if cudnn_trains(qk, v, ctx.spec.attention_dropout, CUDNN_RELEASE):
         return "cudnn"
     return "flash" if qk == v and qk <= 256 else None
 

@@ -40,6 +40,8 @@ from typing import Any, Literal
 
 import torch
 
+from memplan.estimators.cudnn import CUDNN_RELEASE, cudnn_trains
+
 aten = torch.ops.aten
 
 Kernel = Literal["cudnn", "flash", "efficient", "math"]
@@ -61,14 +63,6 @@ class SdpaCall:
     enable_gqa: bool
     is_causal: bool
     dropout_p: float = 0.0
-
-
-# From this cuDNN release (9.19, seen on an H100) cuDNN attention trains head dims up to 256 with
-# any dropout probability; the H200 probe's release took head dims up to 128, dropout in 1/16ths.
-CUDNN_WIDE_TRAINING = 91900
-# The release the traced step assumes: what torch 2.11's CUDA 13 wheels run on the measured H100s
-# and H200s (torch.backends.cudnn.version(); the H100 traces' head-dim-256 layers ran cuDNN).
-CUDNN_RELEASE = 91900
 
 
 def choose_kernel(
@@ -109,24 +103,12 @@ def choose_kernel(
 
 
 def _cudnn_accepts(call: SdpaCall, cudnn: int | None) -> bool:
-    """check_cudnn_tensor_shapes, check_cudnn_d256_bprop_head_dim and check_cudnn_dropout for a
-    training step: head dims multiples of 8, of at most 128 (or 192 for q/k with 128 for v) and a
-    dropout probability that is a multiple of 1/16, or from CUDNN_WIDE_TRAINING on, head dims of
-    at most 256 and any dropout; key length not 1."""
-    wide = cudnn is not None and cudnn >= CUDNN_WIDE_TRAINING
-    if wide:
-        dims_ok = call.head_dim_qk <= 256 and call.head_dim_v <= 256
-    else:
-        dims_ok = (call.head_dim_qk <= 128 and call.head_dim_v <= 128) or (
-            call.head_dim_qk == 192 and call.head_dim_v == 128
-        )
+    """cudnn_trains (head dims and dropout by release), a key length other than 1 and whole
+    groups of query heads per KV head."""
     return (
-        dims_ok
-        and call.head_dim_qk % 8 == 0
-        and call.head_dim_v % 8 == 0
+        cudnn_trains(call.head_dim_qk, call.head_dim_v, call.dropout_p, cudnn)
         and call.seq_k != 1
-        and (call.heads_q % call.heads_kv == 0)
-        and (wide or float(call.dropout_p * 16).is_integer())
+        and call.heads_q % call.heads_kv == 0
     )
 
 

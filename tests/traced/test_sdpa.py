@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memplan.estimators.cudnn import CUDNN_RELEASE
 from memplan.estimators.releases import CONTRACTS_RELEASE
 from memplan.schema import TrainSetup
 from memplan.traced.model import hf_config
@@ -208,18 +209,19 @@ def test_math_path_with_dropout_keeps_what_the_math_kernel_keeps_and_a_bool_mask
 @pytest.mark.parametrize(
     "nope,rope,v,precision",
     [
-        (128, 64, 128, "bf16"),  # DeepSeek-V3, Moonlight: cuDNN's q/k 192 with v 128
+        (128, 64, 128, "bf16"),  # DeepSeek-V3, Moonlight: q/k 192 with v 128, cuDNN
         (64, 32, 64, "bf16"),  # both at most 128: cuDNN
-        (128, 32, 128, "bf16"),  # q/k 160: cuDNN refuses, flash needs one head dim
+        (128, 32, 128, "bf16"),  # q/k 160: cuDNN from 9.19 (earlier: memory-efficient)
         (128, 64, 96, "bf16"),  # q/k 192 with v 96: likewise
-        (96, 32, 128, "bf16"),  # q/k as wide as v: flash where cuDNN refuses
+        (68, 32, 100, "bf16"),  # head dims not multiples of 8: flash, which pads them
+        (256, 32, 256, "bf16"),  # q/k 288: over every fused kernel's limit, memory-efficient
         (128, 64, 128, "fp32"),  # fp32 without grouped heads: memory-efficient
     ],
 )
 def test_latent_attention_kernel_is_the_traced_steps(nope, rope, v, precision) -> None:
     """The analytic contracts pick the SDPA kernel of latent attention's head dims (q/k
     qk_nope + qk_rope, v v_head_dim, as many KV heads as heads, no mask) as the traced step's
-    emulation of CUDA (choose_kernel, cuDNN before 9.19) does."""
+    emulation of CUDA (choose_kernel with the cuDNN release both assume) does."""
     from memplan.catalog import resolve_model
     from memplan.estimators.contracts import DtypePlan, attention_path, fused_attention_kernel
     from memplan.estimators.timeline import layer_contexts
@@ -233,7 +235,7 @@ def test_latent_attention_kernel_is_the_traced_steps(nope, rope, v, precision) -
     analytic = "efficient" if path == "memory_efficient" else fused_attention_kernel(ctx)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     call = SdpaCall(dtype, nope + rope, v, 128, 128, 1024, 1024, False, False, True)
-    assert analytic == choose_kernel(call), dims
+    assert analytic == choose_kernel(call, cudnn=CUDNN_RELEASE), dims
 
 
 @pytest.mark.parametrize(
