@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from memplan.estimators import kernel_contracts as kc
+from memplan.estimators.adapters import ForwardStep, forward_order, forward_programs
 from memplan.estimators.contracts import (
     AFTER_ATTENTION,
     EVERY_EXPERT_AUTOCAST_NAMES,
@@ -210,6 +211,9 @@ class ForwardSaved:
     # it materializes scores: contracts.scores_attention_backward).
     before_names: list[list[str]] = field(default_factory=list)
     recomputed_before_names: list[list[str]] = field(default_factory=list)
+    # Per layer, the forward's temporaries around its saved entries of a name, by that name
+    # (adapters.forward_programs: LoRA's; empty without LoRA).
+    forward_programs: list[dict[str, list[ForwardStep]]] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -272,16 +276,19 @@ def forward_saved(
     after_names: dict[tuple[bool, ...], list[str]] = {}
     before_names: dict[tuple[bool, ...], tuple[list[str], list[str]]] = {}
     moe_backward: dict[tuple[bool, ...], list[MoeStep]] = {}
+    programs: dict[tuple[bool, ...], dict[str, list[ForwardStep]]] = {}
     for ctx in contexts:
         kind = layer_kind(ctx)
         if kind not in by_kind:
-            saved = layer_saved(ctx)
+            original = layer_saved(ctx)
+            saved = forward_order(original, layer_lora_targets(ctx.spec, setup))
+            programs[kind] = forward_programs(ctx, saved, tokens)
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
             after = saved_allocations(saved, tokens, AFTER_ATTENTION)
             by_kind[kind] = ([blocks(n) for n in before], [blocks(n) for n in after])
             before = saved_allocations(saved, tokens, AFTER_ATTENTION + layer_input, matching=False)
             recomputed[kind] = ([blocks(n) for n in before], by_kind[kind][1])
-            moe_peaks[kind] = moe_forward_peaks(ctx, saved, tokens, blocks)
+            moe_peaks[kind] = moe_forward_peaks(ctx, original, tokens, blocks)
             after_names[kind] = saved_names(saved, tokens, AFTER_ATTENTION)
             before_names[kind] = (
                 saved_names(saved, tokens, AFTER_ATTENTION, matching=False),
@@ -327,6 +334,7 @@ def forward_saved(
         moe_backward=[moe_backward[layer_kind(ctx)] for ctx in contexts],
         before_names=[before_names[layer_kind(ctx)][0] for ctx in contexts],
         recomputed_before_names=[before_names[layer_kind(ctx)][1] for ctx in contexts],
+        forward_programs=[programs[layer_kind(ctx)] for ctx in contexts],
         forward_masks=[]
         if setup.grad_checkpointing
         else [blocks(n) for n in chunked_model_masks(setup, dtypes, contexts)],
@@ -1499,7 +1507,9 @@ def walk_step(
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
             by_name = bool(sizes.attention_bwd_steps[index])
-            kept_before = alloc_saved(builder, before, by_name)
+            programs = saved.forward_programs[index] if saved.forward_programs else {}
+            names = saved.before_names[index]
+            kept_before = alloc_saved(builder, before, by_name, names=names, programs=programs)
             layer_kept.append((kept_before, alloc_saved_after(builder, saved, index, after)))
             if sizes.layer_fwd_peak_delta is not None:
                 builder.mark("forward", f"layer {index}", [sizes.layer_fwd_peak_delta])
@@ -1641,7 +1651,14 @@ def walk_step(
             recomputed_before, recomputed_after = saved.recomputed_entries[index]
             by_name = bool(sizes.attention_bwd_steps[index])
             layer_kept[index] = (
-                alloc_saved(builder, recomputed_before, by_name, "transient"),
+                alloc_saved(
+                    builder,
+                    recomputed_before,
+                    by_name,
+                    "transient",
+                    saved.recomputed_before_names[index],
+                    saved.forward_programs[index] if saved.forward_programs else {},
+                ),
                 alloc_saved_after(builder, saved, index, recomputed_after, "transient"),
             )
             if sizes.recomputed_peak_delta is not None:
@@ -1799,17 +1816,66 @@ def alloc_saved_after(
 ) -> list[int]:
     """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
     them one by one (ForwardSaved.moe_backward), else as alloc_all makes them."""
-    return alloc_saved(builder, sizes, bool(saved.moe_backward and saved.moe_backward[index]))
+    by_name = bool(saved.moe_backward and saved.moe_backward[index])
+    programs = saved.forward_programs[index] if saved.forward_programs else {}
+    return alloc_saved(builder, sizes, by_name, names=saved.after_names[index], programs=programs)
 
 
 def alloc_saved(
-    builder: StepBuilder, sizes: list[int], by_name: bool, category: str = "activations"
+    builder: StepBuilder,
+    sizes: list[int],
+    by_name: bool,
+    category: str = "activations",
+    names: list[str] | None = None,
+    programs: dict[str, list[ForwardStep]] | None = None,
 ) -> list[int]:
     """Saved allocations: one each where a backward program frees them by name (`by_name`),
-    else as alloc_all makes them."""
-    if not by_name:
-        return builder.alloc_all(category, sizes)
-    return [t for t in (builder.alloc(category, n) for n in sizes) if t is not None]
+    else as alloc_all makes them; those of a name (`names`) that `programs` holds inside the
+    forward's temporaries around them (adapters.forward_programs)."""
+
+    def plain(part: list[int]) -> list[int]:
+        if not by_name:
+            return builder.alloc_all(category, part)
+        return [t for t in (builder.alloc(category, n) for n in part) if t is not None]
+
+    if not programs or names is None:
+        return plain(sizes)
+    tensors: list[int] = []
+    start = index = 0
+    while index < len(sizes):
+        program = programs.get(names[index])
+        if program is None:
+            index += 1
+            continue
+        end = index
+        while end < len(sizes) and names[end] == names[index]:
+            end += 1
+        tensors += plain(sizes[start:index])
+        tensors += play_forward(builder, program, plain, sizes[index:end])
+        start = index = end
+    return tensors + plain(sizes[start:])
+
+
+def play_forward(
+    builder: StepBuilder,
+    program: list[ForwardStep],
+    alloc: Callable[[list[int]], list[int]],
+    sizes: list[int],
+) -> list[int]:
+    """A forward program (adapters.forward_programs): its temporaries, marked at their high
+    point, around saved allocations (`sizes`, made by `alloc`); returns those."""
+    held: dict[str, int | None] = {}
+    kept: list[int] = []
+    for step in program:
+        if step[0] == "alloc":
+            held[step[1]] = builder.alloc("transient", step[2])
+        elif step[0] == "free":
+            builder.free(held.pop(step[1]))
+        elif step[0] == "saved":
+            kept = alloc(sizes)
+        else:
+            builder.mark(builder.phase, builder.label)
+    return kept
 
 
 def play_moe_backward(
