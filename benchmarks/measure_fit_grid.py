@@ -4,7 +4,7 @@ a fresh process under the measurement protocol; did it run or run out of memory 
 and how close is the predicted reserved peak.
 
     python benchmarks/measure_fit_grid.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups grid|held-out]
+        [--setups grid|held-out|new-families]
     python benchmarks/measure_fit_grid.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_fit_grid.py table PREDICTIONS.json RESULTS.json
 
@@ -67,7 +67,16 @@ HELD_OUT: list[tuple[str, str, dict[str, Any]]] = [
     ("llama-3.2-3b", "none", {"grad_checkpointing": True}),
     ("qwen2.5-1.5b", "auto", {"precision": "amp-bf16", "grad_checkpointing": True}),
 ]
-SETUP_SETS = {"grid": SETUPS, "held-out": HELD_OUT}
+# The families added to the registry after both grids, at the edge: Qwen3.5's gated DeltaNet
+# (transformers' torch fallback), OLMo 2's post-norm layers, SmolLM3's NoPE layers.
+NEW_FAMILIES: list[tuple[str, str, dict[str, Any]]] = [
+    ("qwen3.5-0.8b", "auto", {}),
+    ("qwen3.5-0.8b", "none", {"grad_checkpointing": True}),
+    ("olmo-2-0425-1b", "none", {}),
+    ("olmo-2-0425-1b", "auto", {"lora_rank": 16}),
+    ("smollm3-3b", "auto", {}),
+]
+SETUP_SETS = {"grid": SETUPS, "held-out": HELD_OUT, "new-families": NEW_FAMILIES}
 SEQ = 2048
 # Below this many sequences a batch step moves the peak too far: the edge is found in the
 # sequence length instead.
