@@ -36,16 +36,22 @@ READS = {
 
 
 def adapter_program(ctx: LayerContext, target: str, tokens: int) -> list[ForwardStep]:
-    """One adapter's forward for `tokens` rows: the base output, the adapter's saved tensors,
-    B's output, the scaled product (B's output freed), the sum (the product and the base
-    output freed), its cast back to the model's dtype where the adapter computes in fp32."""
+    """One adapter's forward for `tokens` rows: the base output, its input cast up to fp32
+    (under autocast, where it is not fp32 already), the adapter's saved tensors, B's output,
+    the scaled product (B's output freed), the sum (the product and the base output freed),
+    its cast back to the model's dtype where the adapter computes in fp32."""
     d = ctx.dtypes
-    _, fan_out = LORA_TARGET_SHAPES[target](ctx.spec)
+    fan_in, fan_out = LORA_TARGET_SHAPES[target](ctx.spec)
     base = tokens * fan_out * d.proj
     wide = tokens * fan_out * (d.proj if d.autocast else FP32)
-    steps: list[ForwardStep] = [("alloc", "base", base), ("saved",)]
+    # under autocast the adapters stay fp32: an input in the matmuls' dtype (attention's output,
+    # the MLP's product) is cast up for A, a temporary beside the low-precision copy A saves
+    reads_proj = READS.get(target) in (READS["o_proj"], READS["down_proj"])
+    cast_up = tokens * fan_in * FP32 if d.autocast and reads_proj and d.proj < FP32 else 0
+    steps: list[ForwardStep] = [("alloc", "base", base), ("alloc", "in", cast_up), ("saved",)]
     steps += [("alloc", "b", wide), ("alloc", "scaled", wide), ("free", "b")]
     steps += [("alloc", "sum", wide), ("mark",), ("free", "scaled"), ("free", "base")]
+    steps += [("free", "in")]
     if wide != base:  # the sum cast back: the linear's output, which the walk counts elsewhere
         steps += [("alloc", "cast", base), ("free", "sum"), ("free", "cast")]
     else:

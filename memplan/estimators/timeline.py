@@ -1504,6 +1504,7 @@ def walk_step(
             builder.mark("forward", f"layer {index}", held + held_by_model)
         cached_copies += [builder.alloc("autocast_cache", n) for n in moe_copies]
         if ckpt:
+            builder.free_all(no_grad_forward(builder, saved, sizes, index))
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
             by_name = bool(sizes.attention_bwd_steps[index])
@@ -1807,18 +1808,37 @@ def _play_blocks(builder: StepBuilder, label: str, blocks: list) -> None:
     builder.free_all(reversed(held))
 
 
+def no_grad_forward(
+    builder: StepBuilder, saved: ForwardSaved, sizes: StepSizes, index: int
+) -> list[int]:
+    """A checkpointed layer's first forward where programs surround its entries (LoRA), under
+    no_grad: what its recomputation makes, attention's freed once the MLP starts, the MLP's
+    returned for the caller to free, so their segments exist before backward as in the real
+    run. Unmarked: the allocated high point is the recomputation's."""
+    programs = saved.forward_programs[index] if saved.forward_programs else {}
+    if not programs:
+        return []
+    before, after = saved.recomputed_entries[index]
+    by_name = bool(sizes.attention_bwd_steps[index])
+    names = saved.recomputed_before_names[index]
+    builder.free_all(alloc_saved(builder, before, by_name, "transient", names, programs, False))
+    return alloc_saved_after(builder, saved, index, after, "transient", marked=False)
+
+
 def alloc_saved_after(
     builder: StepBuilder,
     saved: ForwardSaved,
     index: int,
     sizes: list[int],
     category: str = "activations",
+    marked: bool = True,
 ) -> list[int]:
     """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
     them one by one (ForwardSaved.moe_backward), else as alloc_all makes them."""
     by_name = bool(saved.moe_backward and saved.moe_backward[index])
     programs = saved.forward_programs[index] if saved.forward_programs else {}
-    return alloc_saved(builder, sizes, by_name, names=saved.after_names[index], programs=programs)
+    names = saved.after_names[index]
+    return alloc_saved(builder, sizes, by_name, category, names, programs, marked)
 
 
 def alloc_saved(
@@ -1828,10 +1848,11 @@ def alloc_saved(
     category: str = "activations",
     names: list[str] | None = None,
     programs: dict[str, list[ForwardStep]] | None = None,
+    marked: bool = True,
 ) -> list[int]:
     """Saved allocations: one each where a backward program frees them by name (`by_name`),
     else as alloc_all makes them; those of a name (`names`) that `programs` holds inside the
-    forward's temporaries around them (adapters.forward_programs)."""
+    forward's temporaries around them (adapters.forward_programs), marked where `marked`."""
 
     def plain(part: list[int]) -> list[int]:
         if not by_name:
@@ -1851,7 +1872,7 @@ def alloc_saved(
         while end < len(sizes) and names[end] == names[index]:
             end += 1
         tensors += plain(sizes[start:index])
-        tensors += play_forward(builder, program, plain, sizes[index:end])
+        tensors += play_forward(builder, program, plain, sizes[index:end], marked)
         start = index = end
     return tensors + plain(sizes[start:])
 
@@ -1861,9 +1882,10 @@ def play_forward(
     program: list[ForwardStep],
     alloc: Callable[[list[int]], list[int]],
     sizes: list[int],
+    marked: bool = True,
 ) -> list[int]:
     """A forward program (adapters.forward_programs): its temporaries, marked at their high
-    point, around saved allocations (`sizes`, made by `alloc`); returns those."""
+    point where `marked`, around saved allocations (`sizes`, made by `alloc`); returns those."""
     held: dict[str, int | None] = {}
     kept: list[int] = []
     for step in program:
@@ -1873,7 +1895,7 @@ def play_forward(
             builder.free(held.pop(step[1]))
         elif step[0] == "saved":
             kept = alloc(sizes)
-        else:
+        elif marked:
             builder.mark(builder.phase, builder.label)
     return kept
 
