@@ -1636,7 +1636,11 @@ def walk_step(
         keep_gradients("tail", "final_norm")
         layout.backward_exit(builder, "tail", run, sync)
 
-    start_autograd_workspace(builder, run, sizes.workspace)
+    # down_proj's input gradient, the frozen MLP's first matmul output in a layer's backward,
+    # comes before the workspace its matmul makes (a checkpointed layer recomputes first)
+    down_first = lora and not ckpt and "down_proj" not in layer_lora_targets(spec, setup)
+    if not down_first:
+        start_autograd_workspace(builder, run, sizes.workspace)
     for index in reversed(range(len(saved.layer_entries))):
         gradients = sizes.gradients[index]
         label = f"layer {index} backward"
@@ -1693,12 +1697,15 @@ def walk_step(
                 builder.free_all(kept)
                 kept = []
                 transient = [max(0, kept_bytes + delta)]
-            held = builder.alloc_all("transient", transient)
+            held = builder.alloc_all("transient", transient[:1])
+            start_autograd_workspace(builder, run, sizes.workspace)
+            held += builder.alloc_all("transient", transient[1:])
             keep_gradients(f"layer {index}", part, *nbytes)
             builder.mark("backward", label)
             builder.free_all(held)
             builder.free_all(kept)
             play_scratch(builder, label, scratch[part == "attention"])
+        start_autograd_workspace(builder, run, sizes.workspace)  # where no part made it
         keep_gradients(f"layer {index}", "norms", *gradients.norms)
         builder.free_all(checkpoint_input)
         builder.free_all([mask for mask, layer in masks if layer == index])
