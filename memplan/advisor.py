@@ -23,7 +23,7 @@ from memplan.catalog import (
     vision_tower_note,
 )
 from memplan.errors import MemplanError, UsageError, option_error
-from memplan.estimators import estimate, predict_reserved
+from memplan.estimators import estimate, predict_reserved, with_reserved
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import DtypePlan
 from memplan.estimators.parallel import strategies_modelled
@@ -168,9 +168,8 @@ def judge(
             oom_phase=predicted.peak_phase,
             oom_label=predicted.peak_label,
         )
-    else:
-        reserved = predict_reserved(spec, setup, gpu)
-    return predicted.model_copy(update={"reserved": reserved})
+        return predicted.model_copy(update={"reserved": reserved})
+    return with_reserved(predicted, predict_reserved(spec, setup, gpu))
 
 
 def fits(estimate: MemoryEstimate) -> bool:
@@ -596,8 +595,8 @@ def advise(
     )
     planned = setup
     setup = with_flce_choice(spec, setup, gpu_spec)
-    result = estimate(spec, setup, gpu_spec)
-    result = result.model_copy(update={"reserved": predict_reserved(spec, setup, gpu_spec)})
+    analytic = estimate(spec, setup, gpu_spec)
+    result = with_reserved(analytic, predict_reserved(spec, setup, gpu_spec))
     # the traced step is asked only where the step itself is at the edge: advise stays fast
     traced_verdict = (
         traced_verdict and method != "analytic" and edge_verdict.at_edge(result, gpu_spec)
@@ -627,8 +626,9 @@ def advise(
         grad_checkpointing=grad_checkpointing,
         predicted_peak_bytes=result.peak_bytes,
     )
-    # The plan's kernel set is compared at the plan's FLCE setting, the others at their default.
-    plan_row = KernelOption(kernels=chosen, peak_bytes=result.peak_bytes)
+    # The plan's kernel set is compared at the plan's FLCE setting, the others at their default,
+    # each by the walk's tensors (estimate), without the replay's allocator blocks.
+    plan_row = KernelOption(kernels=chosen, peak_bytes=analytic.peak_bytes)
     compared = [plan_row if o.kernels == chosen else o for o in options]
     if chosen not in {o.kernels for o in options}:
         compared.append(plan_row)
@@ -659,7 +659,7 @@ def advise(
         fits=fit,
         headroom_bytes=result.reserved.headroom_bytes,
         kernel_options=compared,
-        kernel_savings=kernel_savings(spec, setup, gpu_spec, result.peak_bytes),
+        kernel_savings=kernel_savings(spec, setup, gpu_spec, analytic.peak_bytes),
         suggestions=[]
         if fit
         else suggestions(spec, setup, gpu_spec, supported, flce_chunk=flce_chunk, judged=result),

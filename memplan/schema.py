@@ -464,6 +464,10 @@ class ReservedPrediction(BaseModel):
     oom_label: str | None = None
     # whose event stream was replayed: the analytic walk's, or the traced step's (at the edge)
     method: str = "analytic"
+    # max_memory_allocated over the run and by the end of step 1, as the replayed allocator's
+    # blocks count it (None where it ran out of memory)
+    allocated_bytes: int | None = None
+    allocated_step1_bytes: int | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -4,7 +4,7 @@ nor transformers."""
 from __future__ import annotations
 
 from memplan.estimators.params import ParamCounts, count_params
-from memplan.estimators.reserved import predict_reserved
+from memplan.estimators.reserved import predict_reserved, with_reserved
 from memplan.estimators.timeline import estimate_step
 from memplan.schema import Gpu, MemoryEstimate, ModelSpec, TrainSetup
 
@@ -16,4 +16,4 @@ def estimate(
     return estimate_step(spec, setup, gpu, backend)
 
 
-__all__ = ["estimate", "predict_reserved", "count_params", "ParamCounts"]
+__all__ = ["estimate", "predict_reserved", "with_reserved", "count_params", "ParamCounts"]

@@ -25,7 +25,7 @@ Pure Python, no torch."""
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from memplan.errors import UsageError
@@ -390,21 +390,32 @@ class CachingAllocator:
 @dataclass(frozen=True)
 class ReplayResult:
     """What the allocator did over a replayed stream: peaks, and the event at which it ran out
-    of memory (None when every allocation succeeded)."""
+    of memory (None when every allocation succeeded). peak_allocated counts blocks as the
+    allocator holds them (max_memory_allocated): a large request whose segment would leave at
+    most 1 MiB takes the whole segment. peaks_by: the allocated peak over the events before each
+    count asked for (replay's `marks`)."""
 
     peak_allocated: int
     peak_reserved: int
     oom_index: int | None
     reserved_at: list[int]
+    peaks_by: tuple[int, ...] = ()
 
 
-def replay(events: Iterable[Event], settings: AllocatorSettings) -> ReplayResult:
+def replay(
+    events: Iterable[Event], settings: AllocatorSettings, marks: Sequence[int] = ()
+) -> ReplayResult:
     """Replay a step's allocations and frees through the allocator model, stopping at the first
-    allocation that runs out of memory."""
+    allocation that runs out of memory; with the allocated peak reached before each of `marks`
+    (event counts, ascending)."""
     allocator = CachingAllocator(settings)
     blocks: dict[int, Block] = {}
     reserved_at: list[int] = []
+    pending, peaks = list(marks), []
     for index, event in enumerate(events):
+        while pending and pending[0] <= index:
+            peaks.append(allocator.peak_allocated)
+            pending.pop(0)
         if event.action == "alloc":
             try:
                 blocks[event.tensor] = allocator.malloc(event.nbytes, event.stream)
@@ -415,7 +426,10 @@ def replay(events: Iterable[Event], settings: AllocatorSettings) -> ReplayResult
         else:
             allocator.free(blocks.pop(event.tensor))
         reserved_at.append(allocator.reserved)
-    return ReplayResult(allocator.peak_allocated, allocator.peak_reserved, None, reserved_at)
+    peaks += [allocator.peak_allocated] * len(pending)
+    return ReplayResult(
+        allocator.peak_allocated, allocator.peak_reserved, None, reserved_at, tuple(peaks)
+    )
 
 
 # PYTORCH_CUDA_ALLOC_CONF settings that change nothing this model predicts.

@@ -33,6 +33,7 @@ class EventLog:
     """Builds an event stream: `alloc` returns the id that `free` takes."""
 
     events: list[Event] = field(default_factory=list)
+    step_ends: list[int] = field(default_factory=list)  # event counts where each step ends
     _sizes: dict[int, tuple[int, str]] = field(default_factory=dict)
     _streams: dict[int, int] = field(default_factory=dict)
     _next: int = 0

@@ -2043,5 +2043,6 @@ def walk_run(
         if accumulates:
             micro.append(walk_step(builder, run, spec, setup, sizes, steady, True, layout))
         optimizer_step(builder, run, spec, setup, sizes, layout)
+        builder.log.step_ends.append(len(builder.log.events))
         walks.append(max(micro, key=lambda w: w.peak))
     return (walks[0], walks[-1]), builder.log

@@ -41,12 +41,12 @@ def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
 
 def predict(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None = None) -> MemoryEstimate:
     """The allocated peak and, on a known GPU, the reserved peak and out-of-memory verdict."""
-    from memplan.estimators import estimate, predict_reserved
+    from memplan.estimators import estimate, predict_reserved, with_reserved
 
     predicted = estimate(spec, setup, gpu)
     if gpu is None:
         return predicted
-    return predicted.model_copy(update={"reserved": predict_reserved(spec, setup, gpu)})
+    return with_reserved(predicted, predict_reserved(spec, setup, gpu))
 
 
 def measured_gpu(measurement: Measurement, fallback: Gpu | None = None) -> Gpu | None:
