@@ -51,6 +51,7 @@ from memplan.estimators.deltanet import (
     deltanet_forward_peak,
 )
 from memplan.estimators.events import EventLog
+from memplan.estimators.grouped_experts import recomputed_experts_peak
 from memplan.estimators.kernel_scratch import (
     CudaDevice,
     embedding_backward_bytes,
@@ -659,9 +660,10 @@ class StepSizes:
     # MLP mark then frees those first and holds this beside them); None: the MLP rule above.
     clamped_moe_bwd_delta: int | None
     # gpt-oss: the peak inside a layer's forward beyond its saved tensors, in the forward (with
-    # the layer's input alive in the caller) and in a checkpointed layer's recomputation.
+    # the layer's input alive in the caller); per layer, in a checkpointed layer's recomputation
+    # (gpt-oss's, or grouped-matmul experts': grouped_experts.recomputed_experts_peak), or None.
     layer_fwd_peak_delta: int | None
-    recomputed_peak_delta: int | None
+    recomputed_peak_delta: list[int | None]
     attention_bwd_transient: list[list[int]]  # per layer
     # per layer, the attention backward as a program where it materializes scores (its saved
     # tensors freed by name), else empty: attention_bwd_transient's mark instead
@@ -807,9 +809,10 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         layer_fwd_peak_delta=sink_layer_forward_peak(spec, setup, dtypes, backend, False)
         if spec.attention_sinks and setup.attn == "eager"
         else None,
-        recomputed_peak_delta=sink_layer_forward_peak(spec, setup, dtypes, backend, True)
+        recomputed_peak_delta=[sink_layer_forward_peak(spec, setup, dtypes, backend, True)]
+        * spec.num_hidden_layers
         if spec.attention_sinks and setup.attn == "eager"
-        else None,
+        else [recomputed_experts_peak(ctx, tokens) for ctx in contexts],
         # A fused kernel's backward holds dq, dk, dv and an fp32 dq accumulator; memplan's sink
         # attention its kernel's; where attention materializes scores its program walks it
         # (attention_bwd_steps).
@@ -1644,8 +1647,8 @@ def walk_step(
                 alloc_saved(builder, recomputed_before, by_name, "transient"),
                 alloc_saved_after(builder, saved, index, recomputed_after, "transient"),
             )
-            if sizes.recomputed_peak_delta is not None:
-                builder.mark("backward", label, [sizes.recomputed_peak_delta])
+            if sizes.recomputed_peak_delta[index] is not None:
+                builder.mark("backward", label, [sizes.recomputed_peak_delta[index]])
         # The MLP's backward runs first, writing its weights' gradients among its temporaries;
         # by attention's, what the layer saved after attention is freed.
         kept_before, kept_after = layer_kept[index]
