@@ -217,7 +217,9 @@ def norm_saved(
         norm = FAMILIES[ctx.spec.model_type].patch.norm
         normalized = FP32 * w if weight_trainable else 0
         rstd = [FP32 * rows_per_token] * (2 if norm.rstd_by_pow else 1)
-        out.add_each(name, FP32 * w, *rstd, normalized)
+        # x.float() of an fp32 input is the input itself (a checkpoint's, when it is the layer's)
+        out.add(name + (INPUT_ITSELF if p_in == FP32 else ""), FP32 * w)
+        out.add_each(name, *rstd, normalized)
         cast_copy = norm.weight_cast and ctx.dtypes.param != FP32
         if FAMILIES[ctx.spec.model_type].norm_weight_copied or cast_copy:
             out.add(name, constant=FP32 * int(width))

@@ -265,10 +265,9 @@ def forward_saved(
     by_kind: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}  # layers differ so
     recomputed: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}
     # Without autocast the linears that read the residual stream keep the layer input itself,
-    # as an fp32 input norm does, where the walk follows checkpointing tensor by tensor.
+    # as an fp32 input norm does (x.float() returns it): the checkpoint holds it already.
     layer_input = (LAYER_INPUT,) if not dtypes.autocast else ()
-    if walked_tensor_by_tensor(spec):
-        layer_input += ("norm.attn" + INPUT_ITSELF,)
+    layer_input += ("norm.attn" + INPUT_ITSELF,)
     moe_peaks: dict[tuple[bool, ...], list[list[int]]] = {}
     after_names: dict[tuple[bool, ...], list[str]] = {}
     before_names: dict[tuple[bool, ...], tuple[list[str], list[str]]] = {}
@@ -1137,7 +1136,8 @@ def sink_layer_forward_peak(
     and, in the MoE, the sum after attention. Under autocast q, the repeated k and v also live
     in fp32 (RoPE's, the KV cache's) beside their saved casts; without the KV cache the
     unrepeated k and v are the attention's own. A recomputation runs beside the layer output's
-    gradient expanded over the k routed rows, which autograd has copied by then."""
+    gradient expanded over the k routed rows, which autograd has copied by then, and under
+    autocast beside that gradient in fp32, where the walk's running gradient is bf16."""
     nh, kv, hd, seq = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, setup.seq
     h, p, p_logits = spec.hidden_size, dtypes.proj, dtypes.residual
     tokens = setup.batch * seq
@@ -1172,6 +1172,8 @@ def sink_layer_forward_peak(
         moe += rows * ((inter + h) * p_e + INT64) + tokens * h * p
     moe += residual * (1 if recomputed else 2)
     expanded_gradient = rows * h * dtypes.residual if recomputed else 0
+    if recomputed:
+        expanded_gradient += tokens * h * (dtypes.residual - p)
     return max(attention, moe) + expanded_gradient
 
 

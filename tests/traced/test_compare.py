@@ -226,8 +226,13 @@ EXTRA_VARIANTS = [
         {"grad_checkpointing": True, **LORA_QV},
     ),
     # qwen3_moe's recomputation stops at the inverse permutation, its last saved tensor, beside
-    # the output gradient's copy over the routed rows
+    # the output gradient's copy over the routed rows (in fp32 under autocast)
     ("qwen3_moe", QWEN3_MOE_HEAVY, {"grad_checkpointing": True, **LORA_QV}),
+    (
+        "qwen3_moe",
+        QWEN3_MOE_HEAVY,
+        {"grad_checkpointing": True, "precision": "amp-bf16", **LORA_QV},
+    ),
 ]
 
 
