@@ -218,7 +218,9 @@ def norm_saved(
         norm = FAMILIES[ctx.spec.model_type].patch.norm
         normalized = FP32 * w if weight_trainable else 0
         rstd = [FP32 * rows_per_token] * (2 if norm.rstd_by_pow else 1)
-        out.add_each(name, FP32 * w, *rstd, normalized)
+        # x.float() of an fp32 input is the input itself (a checkpoint's, when it is the layer's)
+        out.add(name + (INPUT_ITSELF if p_in == FP32 else ""), FP32 * w)
+        out.add_each(name, *rstd, normalized)
         cast_copy = norm.weight_cast and ctx.dtypes.param != FP32
         if FAMILIES[ctx.spec.model_type].norm_weight_copied or cast_copy:
             out.add(name, constant=FP32 * int(width))
@@ -906,7 +908,8 @@ def scores_attention_backward(
     """The backward of attention that materializes (heads x seq) scores (eager, SDPA's math
     path; latent attention's too, its v heads value_dim wide; not gpt-oss's sinks), in
     autograd's order, as MoeSteps over the layer's entries saved before its MLP: o_proj's (its
-    weight gradients `o_grads`, its input's gradient, what it saved freed), matmul(probs, v)'s
+    weight gradients `o_grads`, its input's gradient, what it saved freed; the output gate's
+    gradient, held until q's joins it in q_proj's output), matmul(probs, v)'s
     (d(v) repeated to all heads and d(probs); the cast or dropped probabilities and the
     repeated v freed), dropout's (its mask freed), the cast of d(probs) to the softmax's dtype,
     softmax backward at the high point: d(probs), the d(scores) it writes and grad * output,
@@ -922,6 +925,8 @@ def scores_attention_backward(
     heads, scores = tokens * nh * hd, tokens * nh * seq
     values = tokens * nh * spec.value_dim  # latent attention's v heads: narrower than q's
     steps: list[MoeStep] = [("grad", n) for n in o_grads]
+    if spec.attention_output_gate and q_grad:
+        steps += [("alloc", "d_gate", heads * p)]
     steps += [("alloc", "d_out", values * p)]
     steps += [("free_saved", name) for name in O_PROJ_SAVED]
     steps += [("alloc", "d_v", values * ps * v_grad)]
@@ -942,7 +947,7 @@ def scores_attention_backward(
         steps += [("alloc", "d_q", heads * ps * q_grad), ("alloc", "d_k", heads * ps * k_grad)]
         steps += [("free", "d_scores")]
     steps += [("grad", n) for n in rest_grads]
-    return [*steps, ("free", "d_q"), ("free", "d_k"), ("free", "d_v")]
+    return [*steps, ("free", "d_q"), ("free", "d_k"), ("free", "d_v"), ("free", "d_gate")]
 
 
 # The entries of layer_saved of Llama 4's shared expert, which runs after the experts.

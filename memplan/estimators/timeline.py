@@ -52,6 +52,7 @@ from memplan.estimators.deltanet import (
     deltanet_forward_peak,
 )
 from memplan.estimators.events import EventLog
+from memplan.estimators.grouped_experts import recomputed_experts_peak
 from memplan.estimators.kernel_scratch import (
     CudaDevice,
     embedding_backward_bytes,
@@ -268,10 +269,9 @@ def forward_saved(
     by_kind: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}  # layers differ so
     recomputed: dict[tuple[bool, ...], tuple[list[int], list[int]]] = {}
     # Without autocast the linears that read the residual stream keep the layer input itself,
-    # as an fp32 input norm does, where the walk follows checkpointing tensor by tensor.
+    # as an fp32 input norm does (x.float() returns it): the checkpoint holds it already.
     layer_input = (LAYER_INPUT,) if not dtypes.autocast else ()
-    if walked_tensor_by_tensor(spec):
-        layer_input += ("norm.attn" + INPUT_ITSELF,)
+    layer_input += ("norm.attn" + INPUT_ITSELF,)
     moe_peaks: dict[tuple[bool, ...], list[list[int]]] = {}
     after_names: dict[tuple[bool, ...], list[str]] = {}
     before_names: dict[tuple[bool, ...], tuple[list[str], list[str]]] = {}
@@ -667,9 +667,10 @@ class StepSizes:
     # MLP mark then frees those first and holds this beside them); None: the MLP rule above.
     clamped_moe_bwd_delta: int | None
     # gpt-oss: the peak inside a layer's forward beyond its saved tensors, in the forward (with
-    # the layer's input alive in the caller) and in a checkpointed layer's recomputation.
+    # the layer's input alive in the caller); per layer, in a checkpointed layer's recomputation
+    # (gpt-oss's, or grouped-matmul experts': grouped_experts.recomputed_experts_peak), or None.
     layer_fwd_peak_delta: int | None
-    recomputed_peak_delta: int | None
+    recomputed_peak_delta: list[int | None]
     attention_bwd_transient: list[list[int]]  # per layer
     # per layer, the attention backward as a program where it materializes scores (its saved
     # tensors freed by name), else empty: attention_bwd_transient's mark instead
@@ -815,9 +816,10 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         layer_fwd_peak_delta=sink_layer_forward_peak(spec, setup, dtypes, backend, False)
         if spec.attention_sinks and setup.attn == "eager"
         else None,
-        recomputed_peak_delta=sink_layer_forward_peak(spec, setup, dtypes, backend, True)
+        recomputed_peak_delta=[sink_layer_forward_peak(spec, setup, dtypes, backend, True)]
+        * spec.num_hidden_layers
         if spec.attention_sinks and setup.attn == "eager"
-        else None,
+        else [recomputed_experts_peak(ctx, tokens) for ctx in contexts],
         # A fused kernel's backward holds dq, dk, dv and an fp32 dq accumulator; memplan's sink
         # attention its kernel's; where attention materializes scores its program walks it
         # (attention_bwd_steps).
@@ -1142,7 +1144,8 @@ def sink_layer_forward_peak(
     and, in the MoE, the sum after attention. Under autocast q, the repeated k and v also live
     in fp32 (RoPE's, the KV cache's) beside their saved casts; without the KV cache the
     unrepeated k and v are the attention's own. A recomputation runs beside the layer output's
-    gradient expanded over the k routed rows, which autograd has copied by then."""
+    gradient expanded over the k routed rows, which autograd has copied by then, and under
+    autocast beside that gradient in fp32, where the walk's running gradient is bf16."""
     nh, kv, hd, seq = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, setup.seq
     h, p, p_logits = spec.hidden_size, dtypes.proj, dtypes.residual
     tokens = setup.batch * seq
@@ -1177,6 +1180,8 @@ def sink_layer_forward_peak(
         moe += rows * ((inter + h) * p_e + INT64) + tokens * h * p
     moe += residual * (1 if recomputed else 2)
     expanded_gradient = rows * h * dtypes.residual if recomputed else 0
+    if recomputed:
+        expanded_gradient += tokens * h * (dtypes.residual - p)
     return max(attention, moe) + expanded_gradient
 
 
@@ -1666,8 +1671,8 @@ def walk_step(
                 ),
                 alloc_saved_after(builder, saved, index, recomputed_after, "transient"),
             )
-            if sizes.recomputed_peak_delta is not None:
-                builder.mark("backward", label, [sizes.recomputed_peak_delta])
+            if sizes.recomputed_peak_delta[index] is not None:
+                builder.mark("backward", label, [sizes.recomputed_peak_delta[index]])
         # The MLP's backward runs first, writing its weights' gradients among its temporaries;
         # by attention's, what the layer saved after attention is freed.
         kept_before, kept_after = layer_kept[index]

@@ -35,6 +35,11 @@ SMALL_LATENT = {
 }
 # Llama 4 with eight experts four times as wide as the default case's, and a small vocabulary.
 LLAMA4_MOE_HEAVY = {"num_local_experts": 8, "intermediate_size": 2048, "vocab_size": 512}
+# Grouped-matmul experts with four of eight routed per token and a small vocabulary: a layer's
+# backward, not the loss's, is the step's peak.
+QWEN3_MOE_HEAVY = {"num_experts": 8, "num_experts_per_tok": 4, "vocab_size": 512}
+GLM4_MOE_HEAVY = {"n_routed_experts": 8, "num_experts_per_tok": 4, "vocab_size": 512}
+LORA_QV = {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}
 # One setup beside plain bf16 per family, so that each option meets several families.
 VARIANTS = {
     "llama": {"grad_checkpointing": True},
@@ -204,11 +209,30 @@ EXTRA_VARIANTS = [
     ("qwen3_next", {"linear_num_value_heads": 4}, {"precision": "fp32"}),
     ("qwen3_next", {}, {"precision": "amp-bf16"}),
     ("qwen3_next", {}, {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}),
-    # checkpointed LoRA on q and v with both layers full attention (KNOWN_GAPS: with a DeltaNet)
+    # checkpointed LoRA on q and v with both layers full attention
     (
         "qwen3_5_moe_text",
         {"layer_types": ["full_attention", "full_attention"]},
         {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
+    ),
+    # checkpointed LoRA on q and v: the peak is inside the recomputed MoE block's forward beside
+    # the recomputed DeltaNet's saved tensors, where the frozen experts' gathered rows and
+    # weighted outputs are alive unsaved (grouped_experts.recomputed_experts_peak); with
+    # DeltaNet head dims of 48
+    ("qwen3_5_moe_text", {}, {"grad_checkpointing": True, **LORA_QV}),
+    ("qwen3_next", {}, {"grad_checkpointing": True, **LORA_QV}),
+    (
+        "qwen3_5_moe_text",
+        {"linear_key_head_dim": 48, "linear_value_head_dim": 48},
+        {"grad_checkpointing": True, **LORA_QV},
+    ),
+    # qwen3_moe's recomputation stops at the inverse permutation, its last saved tensor, beside
+    # the output gradient's copy over the routed rows (in fp32 under autocast)
+    ("qwen3_moe", QWEN3_MOE_HEAVY, {"grad_checkpointing": True, **LORA_QV}),
+    (
+        "qwen3_moe",
+        QWEN3_MOE_HEAVY,
+        {"grad_checkpointing": True, "precision": "amp-bf16", **LORA_QV},
     ),
 ]
 
@@ -216,24 +240,13 @@ EXTRA_VARIANTS = [
 # Setups whose contracts are known to disagree with the traced step by more than 1%, kept so
 # that the gap stays measured (benchmarks/contract_gaps.py) until the contracts close it.
 KNOWN_GAPS = [
-    # checkpointed LoRA: the peak is inside a recomputed MoE forward beside the recomputed
-    # DeltaNet's saved tensors, where frozen experts keep their gathered rows and weighted
-    # outputs alive unsaved; the contracts mark no such high point (docs/families_pending.md)
-    (
-        "qwen3_5_moe_text",
-        {},
-        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
-    ),
-    (
-        "qwen3_next",
-        {},
-        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
-    ),
-    (
-        "qwen3_5_moe_text",
-        {"linear_key_head_dim": 48, "linear_value_head_dim": 48},
-        {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
-    ),
+    # the experts' backward begins with the output gradient's copy over the k routed rows, the
+    # un-permuting index's gradient (new_zeros, then index_put out of place) and d(rows), each
+    # k x hidden in the weighted rows' dtype (fp32 with glm4_moe's fp32 routing weights),
+    # beside every saved tensor; the contracts' MoE backward holds 3 k x moe_intermediate and
+    # 2 x hidden (mlp_backward_transient)
+    ("qwen3_moe", QWEN3_MOE_HEAVY, {"grad_checkpointing": True}),
+    ("glm4_moe", GLM4_MOE_HEAVY, {"grad_checkpointing": True, **LORA_QV}),
 ]
 
 
