@@ -119,7 +119,9 @@ def main() -> None:
     ).stdout.strip()
     data = json.loads(OUT.read_text()) if OUT.exists() else {}
     section = data.get(args.label, {})
-    old = {row["case"]: row for row in section.get("compare", [])}
+    # a partial run (--only) updates its cases; a full run replaces the section's, whose ids
+    # are positions in test_compare's lists
+    old = {row["case"]: row for row in section.get("compare", [])} if args.only else {}
     old.update({row["case"]: row for row in results})
     from memplan.versions import installed_versions
 
