@@ -3,6 +3,7 @@ three cases each (Hugging Face as it is, the advisor's plan, and LoRA or checkpo
 predicted before anything ran.
 
     python benchmarks/measure_families.py predict --gpu h100 --out PREDICTIONS.json
+        [--setups families|recomputed-moe]
     python benchmarks/measure_families.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_families.py table PREDICTIONS.json RESULTS.json
 
@@ -70,21 +71,46 @@ FAMILY_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
 ]
 
 
+# Checkpointed LoRA on q and v over grouped-matmul experts, whose recomputed forward keeps the
+# frozen experts' gathered rows and weighted outputs alive (estimators/grouped_experts.py): one
+# case each, kernels off.
+RECOMPUTED_MOE_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
+    ("qwen3.5-35b-a3b", 4, 3, {**LORA, **CHECKPOINTING}),
+    ("qwen3-next-80b-a3b-instruct", 4, 3, {**LORA, **CHECKPOINTING}),
+    ("qwen3-30b-a3b", 8, 4, {**LORA, **CHECKPOINTING}),
+    ("glm-4.5-air", 2, 4, {**LORA, **CHECKPOINTING}),
+]
+
+
+def _spec(model: str, layers: int | None) -> Any:
+    spec = resolve_model(model)
+    return spec if layers is None else with_layers(spec, layers)
+
+
 def runs(gpu: Any) -> list[tuple[Any, Any]]:
     out = []
     for model, layers, batch, options in FAMILY_CASES:
-        spec = resolve_model(model)
-        if layers is not None:
-            spec = with_layers(spec, layers)
+        spec = _spec(model, layers)
         for kernels, extra in (("none", {}), ("auto", {}), ("none", options)):
             setup = advise(spec, batch, SEQ, gpu=gpu, kernels=kernels, **extra).setup
             out.append((spec, setup))
     return out
 
 
+def recomputed_moe_runs(gpu: Any) -> list[tuple[Any, Any]]:
+    out = []
+    for model, layers, batch, options in RECOMPUTED_MOE_CASES:
+        spec = _spec(model, layers)
+        out.append((spec, advise(spec, batch, SEQ, gpu=gpu, kernels="none", **options).setup))
+    return out
+
+
+SETUP_SETS = {"families": runs, "recomputed-moe": recomputed_moe_runs}
+
+
 def predict(args: argparse.Namespace) -> int:
     gpu = resolve_gpu(args.gpu)
-    return write_predictions(runs(gpu), gpu, Path(args.out))
+    return write_predictions(SETUP_SETS[args.setups](gpu), gpu, Path(args.out))
 
 
 def measure(args: argparse.Namespace) -> int:
@@ -92,4 +118,4 @@ def measure(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(__doc__, predict, measure, table, timeout_s=300))
+    sys.exit(main(__doc__, predict, measure, table, timeout_s=300, setup_sets=tuple(SETUP_SETS)))
