@@ -626,9 +626,8 @@ def advise(
         grad_checkpointing=grad_checkpointing,
         predicted_peak_bytes=result.peak_bytes,
     )
-    # The plan's kernel set is compared at the plan's FLCE setting, the others at their default,
-    # each by the walk's tensors (estimate), without the replay's allocator blocks.
-    plan_row = KernelOption(kernels=chosen, peak_bytes=analytic.peak_bytes)
+    # The plan's kernel set is compared at the plan's FLCE setting, the others at their default.
+    plan_row = KernelOption(kernels=chosen, peak_bytes=result.peak_bytes)
     compared = [plan_row if o.kernels == chosen else o for o in options]
     if chosen not in {o.kernels for o in options}:
         compared.append(plan_row)
@@ -659,6 +658,7 @@ def advise(
         fits=fit,
         headroom_bytes=result.reserved.headroom_bytes,
         kernel_options=compared,
+        # by the walk's tensors on both sides, as estimate gives each set without the replay
         kernel_savings=kernel_savings(spec, setup, gpu_spec, analytic.peak_bytes),
         suggestions=[]
         if fit

@@ -21,7 +21,6 @@ from memplan.advisor import (
 )
 from memplan.catalog import resolve_gpu, resolve_model
 from memplan.errors import UsageError
-from memplan.estimators import estimate
 from memplan.estimators.kernel_contracts import flce_default_chunk
 from memplan.estimators.params import lora_params
 from memplan.render import gib, print_advice
@@ -41,7 +40,7 @@ def test_gemma_7b_b8_s4096_does_not_fit_an_h100_and_says_what_does() -> None:
     assert advice.suggestions and advice.suggestions[0].fits
     assert advice.suggestions[0].reserved_bytes <= advice.gpu.capacity
     for suggestion in advice.suggestions:
-        assert estimate(resolve_model("gemma-7b"), suggestion.setup, advice.gpu).peak_bytes == (
+        assert judge(resolve_model("gemma-7b"), suggestion.setup, advice.gpu).peak_bytes == (
             suggestion.peak_bytes
         )
 
@@ -49,7 +48,8 @@ def test_gemma_7b_b8_s4096_does_not_fit_an_h100_and_says_what_does() -> None:
 def test_peak_bytes_is_the_requested_setup() -> None:
     advice = advise("llama-3.2-1b", 4, 1024, kernels="none")
     assert advice.setup.kernels == ()
-    assert advice.peak_bytes == estimate(resolve_model("llama-3.2-1b"), advice.setup).peak_bytes
+    judged = judge(resolve_model("llama-3.2-1b"), advice.setup, advice.gpu)
+    assert advice.peak_bytes == judged.peak_bytes
 
 
 def test_auto_picks_the_lowest_peak_and_flce_over_cross_entropy() -> None:
