@@ -17,7 +17,8 @@ from memplan.estimators.contracts import FP32, LayerContext, Saved
 from memplan.estimators.params import LORA_TARGET_SHAPES, layer_lora_targets
 
 # A step of a forward program: ("alloc", key, bytes), ("free", key), ("saved",): the saved
-# entries the program is keyed by are made here, ("mark",): the forward's high point inside it.
+# entries the program is keyed by are made here (("saved", n): the next n of them), ("mark",):
+# the forward's high point inside it.
 ForwardStep = tuple
 
 # What each adapted linear reads, as the name of the layer_saved entries that make it (its

@@ -58,6 +58,7 @@ from memplan.estimators.kernel_scratch import (
     sort_blocks,
     sum_staging_blocks,
 )
+from memplan.estimators.norm_programs import norm_programs
 from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
 from memplan.estimators.param_tensors import model_param_tensors, param_tensors
 from memplan.estimators.params import (
@@ -212,7 +213,7 @@ class ForwardSaved:
     before_names: list[list[str]] = field(default_factory=list)
     recomputed_before_names: list[list[str]] = field(default_factory=list)
     # Per layer, the forward's temporaries around its saved entries of a name, by that name
-    # (adapters.forward_programs: LoRA's; empty without LoRA).
+    # (norm_programs.norm_programs: the HF RMSNorms'; adapters.forward_programs: LoRA's).
     forward_programs: list[dict[str, list[ForwardStep]]] = field(default_factory=list)
 
     @property
@@ -282,7 +283,8 @@ def forward_saved(
         if kind not in by_kind:
             original = layer_saved(ctx)
             saved = forward_order(original, layer_lora_targets(ctx.spec, setup))
-            programs[kind] = forward_programs(ctx, saved, tokens)
+            programs[kind] = {**norm_programs(ctx, saved, tokens)}
+            programs[kind].update(forward_programs(ctx, saved, tokens))
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
             after = saved_allocations(saved, tokens, AFTER_ATTENTION)
             by_kind[kind] = ([blocks(n) for n in before], [blocks(n) for n in after])
@@ -1504,7 +1506,8 @@ def walk_step(
             builder.mark("forward", f"layer {index}", held + held_by_model)
         cached_copies += [builder.alloc("autocast_cache", n) for n in moe_copies]
         if ckpt:
-            builder.free_all(no_grad_forward(builder, saved, sizes, index))
+            if lora:  # peft's adapters make the first forward's temporaries (no_grad_forward)
+                builder.free_all(no_grad_forward(builder, saved, sizes, index))
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
             by_name = bool(sizes.attention_bwd_steps[index])
@@ -1869,6 +1872,7 @@ def alloc_saved(
     if not programs or names is None:
         return plain(sizes)
     tensors: list[int] = []
+    held: dict[str, int | None] = {}  # a program's temporaries, which a later one may free
     start = index = 0
     while index < len(sizes):
         program = programs.get(names[index])
@@ -1879,9 +1883,11 @@ def alloc_saved(
         while end < len(sizes) and names[end] == names[index]:
             end += 1
         tensors += plain(sizes[start:index])
-        tensors += play_forward(builder, program, plain, sizes[index:end], marked)
+        tensors += play_forward(builder, program, plain, sizes[index:end], marked, held)
         start = index = end
-    return tensors + plain(sizes[start:])
+    tensors += plain(sizes[start:])
+    builder.free_all(held.pop(key) for key in list(held))  # where no later program freed them
+    return tensors
 
 
 def play_forward(
@@ -1890,10 +1896,13 @@ def play_forward(
     alloc: Callable[[list[int]], list[int]],
     sizes: list[int],
     marked: bool = True,
+    held: dict[str, int | None] | None = None,
 ) -> list[int]:
-    """A forward program (adapters.forward_programs): its temporaries, marked at their high
-    point where `marked`, around saved allocations (`sizes`, made by `alloc`); returns those."""
-    held: dict[str, int | None] = {}
+    """A forward program (adapters.forward_programs): its temporaries (into `held`, shared with
+    the layer's other programs), marked at their high point where `marked`, around saved
+    allocations (`sizes`, made by `alloc`: the next n at ("saved", n), the rest at ("saved",));
+    returns those."""
+    held = {} if held is None else held
     kept: list[int] = []
     for step in program:
         if step[0] == "alloc":
@@ -1901,7 +1910,9 @@ def play_forward(
         elif step[0] == "free":
             builder.free(held.pop(step[1]))
         elif step[0] == "saved":
-            kept = alloc(sizes)
+            count = step[1] if len(step) > 1 else len(sizes)
+            kept += alloc(sizes[:count])
+            sizes = sizes[count:]
         elif marked:
             builder.mark(builder.phase, builder.label)
     return kept
