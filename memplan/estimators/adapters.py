@@ -18,7 +18,7 @@ from memplan.estimators.params import LORA_TARGET_SHAPES, layer_lora_targets
 
 # A step of a forward program: ("alloc", key, bytes), ("free", key), ("saved",): the saved
 # entries the program is keyed by are made here (("saved", n): the next n of them), ("mark",):
-# the forward's high point inside it.
+# the forward's high point inside it; ("unsaved",): under no_grad, those made so far are freed.
 ForwardStep = tuple
 
 # What each adapted linear reads, as the name of the layer_saved entries that make it (its

@@ -6,8 +6,10 @@ the tensors it saves (contracts.norm_saved: x.float(), rstd, the cast where the 
 it makes pow's output and the fp32 product, each as wide as x in fp32, and the cast back where
 nothing saves it; the product and the cast live until the output (weight * cast) is made. The
 programs here place them around the saved entries, by the norm's name, and free them after the
-output where the linears reading it save it (the entries named "<norm>.out"). Gemma's fp32
-norms and memplan's kernel keep no program."""
+output where the linears reading it save it (the entries named "<norm>.out"); where nothing
+saves a layer norm's output, the decoder layer holds it through attention or the MLP. Under
+no_grad x.float() goes once the product is made. Gemma's fp32 norms and memplan's kernel keep
+no program."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def norm_program(fp32_width: int, p_in: int, input_kept: bool, trained: bool) ->
         steps += [("saved",), ("alloc", "norm.normed", 0 if trained else fp32_width)]
         return steps + [("alloc", "norm.cast", 0)]
     steps = [("saved", 1), ("alloc", "norm.pow", fp32_width), ("free", "norm.pow")]
-    steps += [("alloc", "norm.normed", fp32_width), ("saved",)]
+    # under no_grad x.float() goes once the product replaces it
+    steps += [("alloc", "norm.normed", fp32_width), ("unsaved",), ("saved",)]
     return steps + [("alloc", "norm.cast", 0 if trained else fp32_width * p_in // FP32)]
 
 
@@ -54,6 +57,11 @@ def norm_programs(ctx: LayerContext, saved: Saved, tokens: int) -> dict[str, lis
         programs[name] = norm_program(fp32_width, p_in, bool(kept), trained)
         if name + ".out" in per_token:
             programs[name + ".out"] = [("saved",), *TEMPORARIES]
+        elif name.startswith("norm."):
+            # the output nothing saves: the layer holds it through its part (alloc_saved frees
+            # it there)
+            programs[name] += [("alloc", "norm.out." + name, fp32_width * p_in // FP32)]
+            programs[name] += TEMPORARIES
         else:
             programs[name] += TEMPORARIES
     return programs

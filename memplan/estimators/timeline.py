@@ -72,6 +72,7 @@ from memplan.estimators.params import (
     qk_norm_widths,
 )
 from memplan.estimators.releases import Release
+from memplan.estimators.scores_programs import scores_programs
 from memplan.families import FAMILIES
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
@@ -284,6 +285,7 @@ def forward_saved(
             original = layer_saved(ctx)
             saved = forward_order(original, layer_lora_targets(ctx.spec, setup))
             programs[kind] = {**norm_programs(ctx, saved, tokens)}
+            programs[kind].update(scores_programs(ctx, saved, tokens))
             programs[kind].update(forward_programs(ctx, saved, tokens))
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
             after = saved_allocations(saved, tokens, AFTER_ATTENTION)
@@ -1831,8 +1833,9 @@ def no_grad_forward(
     before, after = saved.recomputed_entries[index]
     by_name = bool(sizes.attention_bwd_steps[index])
     names = saved.recomputed_before_names[index]
-    builder.free_all(alloc_saved(builder, before, by_name, "transient", names, programs, False))
-    return alloc_saved_after(builder, saved, index, after, "transient", marked=False)
+    part = alloc_saved(builder, before, by_name, "transient", names, programs, False, False)
+    builder.free_all(part)
+    return alloc_saved_after(builder, saved, index, after, "transient", marked=False, grad=False)
 
 
 def alloc_saved_after(
@@ -1842,13 +1845,14 @@ def alloc_saved_after(
     sizes: list[int],
     category: str = "activations",
     marked: bool = True,
+    grad: bool = True,
 ) -> list[int]:
     """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
     them one by one (ForwardSaved.moe_backward), else as alloc_all makes them."""
     by_name = bool(saved.moe_backward and saved.moe_backward[index])
     programs = saved.forward_programs[index] if saved.forward_programs else {}
     names = saved.after_names[index]
-    return alloc_saved(builder, sizes, by_name, category, names, programs, marked)
+    return alloc_saved(builder, sizes, by_name, category, names, programs, marked, grad)
 
 
 def alloc_saved(
@@ -1859,10 +1863,12 @@ def alloc_saved(
     names: list[str] | None = None,
     programs: dict[str, list[ForwardStep]] | None = None,
     marked: bool = True,
+    grad: bool = True,
 ) -> list[int]:
     """Saved allocations: one each where a backward program frees them by name (`by_name`),
     else as alloc_all makes them; those of a name (`names`) that `programs` holds inside the
-    forward's temporaries around them (adapters.forward_programs), marked where `marked`."""
+    forward's temporaries around them (adapters.forward_programs), marked where `marked`;
+    without `grad` (a no_grad forward) the programs free what nothing keeps there."""
 
     def plain(part: list[int]) -> list[int]:
         if not by_name:
@@ -1883,7 +1889,8 @@ def alloc_saved(
         while end < len(sizes) and names[end] == names[index]:
             end += 1
         tensors += plain(sizes[start:index])
-        tensors += play_forward(builder, program, plain, sizes[index:end], marked, held)
+        part = sizes[index:end]
+        tensors += play_forward(builder, program, plain, part, marked, held, grad)
         start = index = end
     tensors += plain(sizes[start:])
     builder.free_all(held.pop(key) for key in list(held))  # where no later program freed them
@@ -1897,11 +1904,12 @@ def play_forward(
     sizes: list[int],
     marked: bool = True,
     held: dict[str, int | None] | None = None,
+    grad: bool = True,
 ) -> list[int]:
     """A forward program (adapters.forward_programs): its temporaries (into `held`, shared with
     the layer's other programs), marked at their high point where `marked`, around saved
     allocations (`sizes`, made by `alloc`: the next n at ("saved", n), the rest at ("saved",));
-    returns those."""
+    returns those. Without `grad`, ("unsaved",) frees those made so far: no graph keeps them."""
     held = {} if held is None else held
     kept: list[int] = []
     for step in program:
@@ -1913,6 +1921,10 @@ def play_forward(
             count = step[1] if len(step) > 1 else len(sizes)
             kept += alloc(sizes[:count])
             sizes = sizes[count:]
+        elif step[0] == "unsaved":
+            if not grad:
+                builder.free_all(kept)
+                kept = []
         elif marked:
             builder.mark(builder.phase, builder.label)
     return kept
