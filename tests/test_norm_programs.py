@@ -2,7 +2,7 @@
 modules make them."""
 
 from memplan.estimators.norm_programs import TEMPORARIES, norm_program
-from memplan.estimators.scores_programs import scores_program
+from memplan.estimators.scores_programs import math_program, scores_program
 
 
 def test_bf16_norm_frozen_weight_keeps_its_cast_until_the_output():
@@ -36,4 +36,15 @@ def test_bf16_eager_scores_upcast_for_softmax():
         ("alloc", "attn.upcast", 256),
         ("saved",),
         ("free", "attn.upcast"),
+    ]
+
+
+def test_sdpa_math_path_holds_a_bool_mask_beside_the_probabilities():
+    steps = math_program(96)
+    assert steps == [
+        ("alloc", "attn.product", 96),
+        ("saved",),
+        ("alloc", "attn.bool", 24),
+        ("free", "attn.bool"),
+        ("free", "attn.product"),
     ]
