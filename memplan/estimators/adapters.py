@@ -61,13 +61,12 @@ def adapter_program(ctx: LayerContext, target: str, tokens: int) -> list[Forward
 
 
 def forward_programs(ctx: LayerContext, saved: Saved, tokens: int) -> dict[str, list[ForwardStep]]:
-    """The forward's temporaries under LoRA, keyed by the layer_saved entries (`saved`, in
-    forward_order) they surround: each adapter's (adapter_program, by "lora.<target>"), and
+    """The forward's temporaries, keyed by the layer_saved entries (`saved`, in forward_order)
+    they surround: under LoRA each adapter's (adapter_program, by "lora.<target>"), and where
+    down_proj saves no input (it is frozen, or memplan's SwiGLU kernel recomputes its input)
     the gated MLP's product, from the MLP's last saved entry through down_proj (latent
     attention's adapters keep no program)."""
-    if not ctx.setup.lora_rank:
-        return {}
-    targets = layer_lora_targets(ctx.spec, ctx.setup)
+    targets = layer_lora_targets(ctx.spec, ctx.setup) if ctx.setup.lora_rank else []
     programs = {f"lora.{t}": adapter_program(ctx, t, tokens) for t in targets if t in READS}
     names = [name for name, _, _ in saved.tensors]
     mlp = [name for name in names if name.startswith("mlp.")]
@@ -77,6 +76,10 @@ def forward_programs(ctx: LayerContext, saved: Saved, tokens: int) -> dict[str, 
     down = programs.get("lora.down_proj")
     if down is not None:
         programs["lora.down_proj"] = product + down + [("free", "product")]
+    elif "rms_norm" in ctx.kernels and "norm.post_mlp" in names[names.index(mlp[-1]) :]:
+        # memplan's norm after the MLP keeps its input, down_proj's output: its first entry
+        programs[mlp[-1]] = [("saved",), *product]
+        programs["norm.post_mlp"] = [("saved", 1), ("mark",), ("free", "product"), ("saved",)]
     else:
         # down_proj's output outlives the product it is made from
         out = [("alloc", "down", tokens * ctx.spec.hidden_size * ctx.dtypes.proj)]
