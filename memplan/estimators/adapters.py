@@ -8,8 +8,9 @@ A's output) it holds the base output, B's output, the scaled product and the sum
 the linear's output. Without autocast the adapters are fp32 (peft's autocast_adapter_dtype):
 B's output, the product and the sum are fp32, and the sum is cast back to the model's dtype.
 
-Under LoRA the frozen down_proj saves no input: the gated MLP's product, act(gate) * up, is a
-temporary of the forward, alive until down_proj (and its adapter) has run."""
+Under LoRA the frozen down_proj saves no input (nor does it where memplan's GLU kernel
+recomputes the product): the gated MLP's product, act(gate) * up, is a temporary of the
+forward, alive until down_proj (and its adapter) has run."""
 
 from __future__ import annotations
 
