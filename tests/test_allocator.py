@@ -72,7 +72,8 @@ def test_replay_reproduces_the_measured_reserved_and_allocated_peaks(path: Path)
 # thread's cuBLAS workspace or checkpointed autocast's weight copies wrong; and LoRA runs it
 # missed by 7-10% without the adapters' forward temporaries and the frozen MLP's product
 # (estimators/adapters.py), which leave the holes the autograd thread's workspace takes; a
-# checkpointed LoRA run missed by 2.6% without its first forward's adapter temporaries.
+# checkpointed LoRA run missed by 2.6% without its first forward's adapter temporaries; an fp32
+# LoRA run missed by 7% without SDPA's math path's scores and bool mask (scores_programs.py).
 ANALYTIC_TRACES = [
     "qwen3-0.6b_b2_s4096_bf16_gc_hf",
     "llama-3.2-1b_b8_s2048_bf16_gc_hf",
@@ -85,6 +86,7 @@ ANALYTIC_TRACES = [
     "llama-3.2-1b_b4_s1024_bf16_lora16-q_proj-k_proj-v_proj-o_proj_acc2_rms-rope-swiglu-flce_chunk4096",
     "gemma-2-2b_b2_s1024_bf16_lora16-q_proj-v_proj_rms-rope-geglu-flce_chunk2048",
     "llama-3.2-1b_b4_s2048_bf16_gc_lora16-q_proj-v_proj_hf",
+    "qwen2.5-1.5b_b2_s1024_fp32_lora16-q_proj-v_proj_rms-rope-swiglu-flce_chunk2048",
 ]
 
 

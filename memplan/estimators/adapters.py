@@ -8,8 +8,9 @@ A's output) it holds the base output, B's output, the scaled product and the sum
 the linear's output. Without autocast the adapters are fp32 (peft's autocast_adapter_dtype):
 B's output, the product and the sum are fp32, and the sum is cast back to the model's dtype.
 
-Under LoRA the frozen down_proj saves no input: the gated MLP's product, act(gate) * up, is a
-temporary of the forward, alive until down_proj (and its adapter) has run."""
+Under LoRA the frozen down_proj saves no input (nor does it where memplan's GLU kernel
+recomputes the product): the gated MLP's product, act(gate) * up, is a temporary of the
+forward, alive until down_proj (and its adapter) has run."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from memplan.estimators.contracts import FP32, LayerContext, Saved
 from memplan.estimators.params import LORA_TARGET_SHAPES, layer_lora_targets
 
 # A step of a forward program: ("alloc", key, bytes), ("free", key), ("saved",): the saved
-# entries the program is keyed by are made here, ("mark",): the forward's high point inside it.
+# entries the program is keyed by are made here (("saved", n): the next n of them), ("mark",):
+# the forward's high point inside it; ("unsaved",): under no_grad, those made so far are freed.
 ForwardStep = tuple
 
 # What each adapted linear reads, as the name of the layer_saved entries that make it (its
@@ -60,13 +62,12 @@ def adapter_program(ctx: LayerContext, target: str, tokens: int) -> list[Forward
 
 
 def forward_programs(ctx: LayerContext, saved: Saved, tokens: int) -> dict[str, list[ForwardStep]]:
-    """The forward's temporaries under LoRA, keyed by the layer_saved entries (`saved`, in
-    forward_order) they surround: each adapter's (adapter_program, by "lora.<target>"), and
+    """The forward's temporaries, keyed by the layer_saved entries (`saved`, in forward_order)
+    they surround: under LoRA each adapter's (adapter_program, by "lora.<target>"), and where
+    down_proj saves no input (it is frozen, or memplan's SwiGLU kernel recomputes its input)
     the gated MLP's product, from the MLP's last saved entry through down_proj (latent
     attention's adapters keep no program)."""
-    if not ctx.setup.lora_rank:
-        return {}
-    targets = layer_lora_targets(ctx.spec, ctx.setup)
+    targets = layer_lora_targets(ctx.spec, ctx.setup) if ctx.setup.lora_rank else []
     programs = {f"lora.{t}": adapter_program(ctx, t, tokens) for t in targets if t in READS}
     names = [name for name, _, _ in saved.tensors]
     mlp = [name for name in names if name.startswith("mlp.")]
@@ -76,6 +77,10 @@ def forward_programs(ctx: LayerContext, saved: Saved, tokens: int) -> dict[str, 
     down = programs.get("lora.down_proj")
     if down is not None:
         programs["lora.down_proj"] = product + down + [("free", "product")]
+    elif "rms_norm" in ctx.kernels and "norm.post_mlp" in names[names.index(mlp[-1]) :]:
+        # memplan's norm after the MLP keeps its input, down_proj's output: its first entry
+        programs[mlp[-1]] = [("saved",), *product]
+        programs["norm.post_mlp"] = [("saved", 1), ("mark",), ("free", "product"), ("saved",)]
     else:
         # down_proj's output outlives the product it is made from
         out = [("alloc", "down", tokens * ctx.spec.hidden_size * ctx.dtypes.proj)]

@@ -698,11 +698,14 @@ def gated_mlp_saved(ctx: LayerContext, out: Saved, name: str, inter: int) -> Non
     """A gated MLP `inter` wide: a dense layer's, or a MoE layer's shared experts."""
     spec, p = ctx.spec, ctx.dtypes.proj
     glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act)
-    if glu in ctx.kernels:
-        out.add_each(name + ".gate_up", *[kc.glu_saved_bytes(1, inter, p) / 2] * 2)
+    half = kc.glu_saved_bytes(1, inter, p) / 2 if glu in ctx.kernels else p * inter
+    if spec.fused_gate_up and name == "mlp":
+        # one gate_up_proj output, of which gate and up are views: one allocation
+        out.add(name + ".gate_up", 2 * half)
     else:
         # gate for the activation, up for the product
-        out.add_each(name + ".gate_up", p * inter, p * inter)
+        out.add_each(name + ".gate_up", half, half)
+    if glu not in ctx.kernels:
         out.add(name + ".act", p * inter)
     # down_proj keeps its input for its weight's gradient: not when frozen (an adapter keeps its
     # own cast, counted with the adapters), nor when the GLU kernel runs a plain down_proj itself

@@ -59,6 +59,7 @@ from memplan.estimators.kernel_scratch import (
     sort_blocks,
     sum_staging_blocks,
 )
+from memplan.estimators.norm_programs import norm_programs
 from memplan.estimators.parallel import OneGpu, computed_setup, layout_for
 from memplan.estimators.param_tensors import model_param_tensors, param_tensors
 from memplan.estimators.params import (
@@ -72,6 +73,7 @@ from memplan.estimators.params import (
     qk_norm_widths,
 )
 from memplan.estimators.releases import Release
+from memplan.estimators.scores_programs import scores_programs
 from memplan.families import FAMILIES
 from memplan.schema import (
     GLU_KERNEL_BY_ACTIVATION,
@@ -213,7 +215,7 @@ class ForwardSaved:
     before_names: list[list[str]] = field(default_factory=list)
     recomputed_before_names: list[list[str]] = field(default_factory=list)
     # Per layer, the forward's temporaries around its saved entries of a name, by that name
-    # (adapters.forward_programs: LoRA's; empty without LoRA).
+    # (norm_programs.norm_programs: the HF RMSNorms'; adapters.forward_programs: LoRA's).
     forward_programs: list[dict[str, list[ForwardStep]]] = field(default_factory=list)
 
     @property
@@ -282,7 +284,9 @@ def forward_saved(
         if kind not in by_kind:
             original = layer_saved(ctx)
             saved = forward_order(original, layer_lora_targets(ctx.spec, setup))
-            programs[kind] = forward_programs(ctx, saved, tokens)
+            programs[kind] = {**norm_programs(ctx, saved, tokens)}
+            programs[kind].update(scores_programs(ctx, saved, tokens))
+            programs[kind].update(forward_programs(ctx, saved, tokens))
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
             after = saved_allocations(saved, tokens, AFTER_ATTENTION)
             by_kind[kind] = ([blocks(n) for n in before], [blocks(n) for n in after])
@@ -1509,7 +1513,8 @@ def walk_step(
             builder.mark("forward", f"layer {index}", held + held_by_model)
         cached_copies += [builder.alloc("autocast_cache", n) for n in moe_copies]
         if ckpt:
-            builder.free_all(no_grad_forward(builder, saved, sizes, index))
+            if lora:  # peft's adapters make the first forward's temporaries (no_grad_forward)
+                builder.free_all(no_grad_forward(builder, saved, sizes, index))
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
         else:
             by_name = bool(sizes.attention_bwd_steps[index])
@@ -1833,8 +1838,9 @@ def no_grad_forward(
     before, after = saved.recomputed_entries[index]
     by_name = bool(sizes.attention_bwd_steps[index])
     names = saved.recomputed_before_names[index]
-    builder.free_all(alloc_saved(builder, before, by_name, "transient", names, programs, False))
-    return alloc_saved_after(builder, saved, index, after, "transient", marked=False)
+    part = alloc_saved(builder, before, by_name, "transient", names, programs, False, False)
+    builder.free_all(part)
+    return alloc_saved_after(builder, saved, index, after, "transient", marked=False, grad=False)
 
 
 def alloc_saved_after(
@@ -1844,13 +1850,14 @@ def alloc_saved_after(
     sizes: list[int],
     category: str = "activations",
     marked: bool = True,
+    grad: bool = True,
 ) -> list[int]:
     """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
     them one by one (ForwardSaved.moe_backward), else as alloc_all makes them."""
     by_name = bool(saved.moe_backward and saved.moe_backward[index])
     programs = saved.forward_programs[index] if saved.forward_programs else {}
     names = saved.after_names[index]
-    return alloc_saved(builder, sizes, by_name, category, names, programs, marked)
+    return alloc_saved(builder, sizes, by_name, category, names, programs, marked, grad)
 
 
 def alloc_saved(
@@ -1861,10 +1868,12 @@ def alloc_saved(
     names: list[str] | None = None,
     programs: dict[str, list[ForwardStep]] | None = None,
     marked: bool = True,
+    grad: bool = True,
 ) -> list[int]:
     """Saved allocations: one each where a backward program frees them by name (`by_name`),
     else as alloc_all makes them; those of a name (`names`) that `programs` holds inside the
-    forward's temporaries around them (adapters.forward_programs), marked where `marked`."""
+    forward's temporaries around them (adapters.forward_programs), marked where `marked`;
+    without `grad` (a no_grad forward) the programs free what nothing keeps there."""
 
     def plain(part: list[int]) -> list[int]:
         if not by_name:
@@ -1874,6 +1883,7 @@ def alloc_saved(
     if not programs or names is None:
         return plain(sizes)
     tensors: list[int] = []
+    held: dict[str, int | None] = {}  # a program's temporaries, which a later one may free
     start = index = 0
     while index < len(sizes):
         program = programs.get(names[index])
@@ -1884,9 +1894,12 @@ def alloc_saved(
         while end < len(sizes) and names[end] == names[index]:
             end += 1
         tensors += plain(sizes[start:index])
-        tensors += play_forward(builder, program, plain, sizes[index:end], marked)
+        part = sizes[index:end]
+        tensors += play_forward(builder, program, plain, part, marked, held, grad)
         start = index = end
-    return tensors + plain(sizes[start:])
+    tensors += plain(sizes[start:])
+    builder.free_all(held.pop(key) for key in list(held))  # where no later program freed them
+    return tensors
 
 
 def play_forward(
@@ -1895,10 +1908,14 @@ def play_forward(
     alloc: Callable[[list[int]], list[int]],
     sizes: list[int],
     marked: bool = True,
+    held: dict[str, int | None] | None = None,
+    grad: bool = True,
 ) -> list[int]:
-    """A forward program (adapters.forward_programs): its temporaries, marked at their high
-    point where `marked`, around saved allocations (`sizes`, made by `alloc`); returns those."""
-    held: dict[str, int | None] = {}
+    """A forward program (adapters.forward_programs): its temporaries (into `held`, shared with
+    the layer's other programs), marked at their high point where `marked`, around saved
+    allocations (`sizes`, made by `alloc`: the next n at ("saved", n), the rest at ("saved",));
+    returns those. Without `grad`, ("unsaved",) frees those made so far: no graph keeps them."""
+    held = {} if held is None else held
     kept: list[int] = []
     for step in program:
         if step[0] == "alloc":
@@ -1906,7 +1923,13 @@ def play_forward(
         elif step[0] == "free":
             builder.free(held.pop(step[1]))
         elif step[0] == "saved":
-            kept = alloc(sizes)
+            count = step[1] if len(step) > 1 else len(sizes)
+            kept += alloc(sizes[:count])
+            sizes = sizes[count:]
+        elif step[0] == "unsaved":
+            if not grad:
+                builder.free_all(kept)
+                kept = []
         elif marked:
             builder.mark(builder.phase, builder.label)
     return kept
