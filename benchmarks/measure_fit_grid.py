@@ -4,7 +4,7 @@ a fresh process under the measurement protocol; did it run or run out of memory 
 and how close is the predicted reserved peak.
 
     python benchmarks/measure_fit_grid.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups grid|held-out|new-families]
+        [--setups grid|held-out|new-families|held-out-2]
     python benchmarks/measure_fit_grid.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_fit_grid.py table PREDICTIONS.json RESULTS.json
 
@@ -76,7 +76,21 @@ NEW_FAMILIES: list[tuple[str, str, dict[str, Any]]] = [
     ("olmo-2-0425-1b", "auto", {"lora_rank": 16}),
     ("smollm3-3b", "auto", {}),
 ]
-SETUP_SETS = {"grid": SETUPS, "held-out": HELD_OUT, "new-families": NEW_FAMILIES}
+# A second held-out set, written after every fix above: other kernels, precisions, optimizers
+# and adapters on old and new families.
+HELD_OUT_2: list[tuple[str, str, dict[str, Any]]] = [
+    ("olmo-2-0425-1b", "auto", {}),
+    ("smollm3-3b", "none", {"grad_checkpointing": True}),
+    ("qwen3-1.7b", "auto", {"precision": "amp-bf16"}),
+    ("gemma-2-2b", "none", {"lora_rank": 16}),
+    ("llama-3.2-3b", "auto", {"optimizer": "adamw-fused"}),
+]
+SETUP_SETS = {
+    "grid": SETUPS,
+    "held-out": HELD_OUT,
+    "new-families": NEW_FAMILIES,
+    "held-out-2": HELD_OUT_2,
+}
 SEQ = 2048
 # Below this many sequences a batch step moves the peak too far: the edge is found in the
 # sequence length instead.
