@@ -656,6 +656,7 @@ class StepSizes:
     loss_entries: list[int]
     lm_head_copy: int  # lm_head_weight_copy
     residual: int
+    final_norm_fp32: int  # the final norm's fp32 product, alive beside its saved tensors
     logits_p: int
     logits_fp32: int
     grad_hidden: int
@@ -790,6 +791,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         loss_entries=loss_saved_entries(spec, setup, dtypes),
         lm_head_copy=lm_head_weight_copy(spec, dtypes),
         residual=round_block(tokens * h * dtypes.residual),
+        final_norm_fp32=final_norm_fp32(tokens * h, dtypes.residual, setup.kernels),
         logits_p=round_block(tokens * spec.vocab_size * p),
         logits_fp32=round_block(tokens * spec.vocab_size * FP32),
         grad_hidden=round_block(tokens * h * p),
@@ -967,6 +969,15 @@ def layers_autocast_weight_params(spec: ModelSpec) -> int:
         autocast_weight_params(layer, moe=spec.moe_layer(index))
         for index, layer in enumerate(spec.layers())
     )
+
+
+def final_norm_fp32(elements: int, residual_bytes: int, kernels: Iterable[str]) -> int:
+    """The final HF RMSNorm's fp32 product (x * rstd, or Gemma's times 1 + weight), which it
+    casts to the residual's dtype for its output: unsaved, alive until the cast. In fp32 the
+    product is the output itself; memplan's kernel makes none."""
+    if residual_bytes >= FP32 or "rms_norm" in kernels:
+        return 0
+    return round_block(elements * FP32)
 
 
 def mlp_backward_transient(
@@ -1527,7 +1538,7 @@ def walk_step(
         layout.forward_exit(builder, f"layer {index}")
     layout.forward_enter(builder, "tail")
     final_norm = builder.alloc("activations", saved.final_norm)
-    builder.mark("forward", "final norm", [sizes.residual])
+    builder.mark("forward", "final norm", [sizes.residual, sizes.final_norm_fp32])
 
     upcast = sizes.logits_fp32 if sizes.logits_p < sizes.logits_fp32 else 0
     # The final norm's output, the loss's input, is alive until forward returns; it counts here
