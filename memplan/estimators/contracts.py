@@ -743,6 +743,19 @@ def moe_saved(ctx: LayerContext, out: Saved) -> None:
     # the expert ids that gather each row's biases, kept where the biases train
     bias_index = [INT64] if router.expert_biases and ctx.trainable_base else []
     mask = [1] if Release.of(ctx.setup.transformers).moe_sentinel_mask else []
+    if not router.clamped_glu:
+        # grouped_mm_experts_forward's order (grouped_experts.experts_program): the sort's
+        # permutation, the gather's index, the gathered rows (where trained), the sorted routing
+        # weights, the offsets, the mask, the masked gate_up output (one tensor, gate and up its
+        # views), act(gate), the product (where trained), the masked down output, inv_perm
+        trained = [p * inter] if ctx.trainable_base else []
+        out.add_each("moe.experts", k * INT64, k * INT64, *(k * n for n in inputs[1:]))
+        out.add("moe.experts", k * routing_weight)
+        out.add("moe.experts", constant=4 * e)
+        gathered = [k * n for n in (*mask, *bias_index)]
+        out.add_each("moe.experts", *gathered, k * 2 * p * inter, k * p * inter)
+        out.add_each("moe.experts", *(k * n for n in trained), k * p * h, k * INT64)
+        return
     routed_row = [
         *inputs, *intermediates, INT64, INT64, INT64, *bias_index, routing_weight, *mask
     ]  # fmt: skip

@@ -20,6 +20,7 @@ with the routing weights' dtype)."""
 
 from __future__ import annotations
 
+from memplan.estimators.adapters import ForwardStep
 from memplan.estimators.contracts import (
     FP32,
     INT64,
@@ -31,6 +32,7 @@ from memplan.estimators.contracts import (
     qkv_need_grad,
 )
 from memplan.estimators.params import moe_rules, shared_expert_gated
+from memplan.estimators.releases import Release
 from memplan.schema import ModelSpec
 
 HISTC_INPUT = 4  # the sorted ids as float (CPU) or int32 (CUDA) for torch.histc
@@ -120,3 +122,75 @@ def saved_after_experts(ctx: LayerContext, saved: Saved, tokens: int) -> int:
     if d.autocast:
         after += d.proj * weights + (tokens * d.proj * h * linears if ctx.trainable_base else 0)
     return after
+
+
+def experts_program(ctx: LayerContext, tokens: int, grad: bool) -> list[ForwardStep]:
+    """grouped_mm_experts_forward's allocations for `tokens` tokens in its order, from the sort
+    to the sum over each token's k rows. With `grad`, around the block's "moe.experts" entries
+    (moe_saved's order: ("saved", n) makes the next n); without, where the block saves nothing
+    (no graph past it), every tensor a temporary, freed as its last reader is done. Locals
+    (sorted ids, gathered rows, histogram, the last weighted rows) live until it returns."""
+    spec, p = ctx.spec, ctx.dtypes.param
+    e, h, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    rows = spec.num_experts_per_tok * tokens
+    routing = moe_router_saved(ctx, Saved())
+    weighted = rows * h * max(p, routing)
+    trained = ctx.trainable_base and grad
+    mask = [1] if Release.of(ctx.setup.transformers).moe_sentinel_mask else []
+    steps: list[ForwardStep] = [("alloc", "ids", rows * INT64)]
+
+    def keep(key: str, nbytes: int, kept: bool = True) -> None:
+        steps.append(("saved", 1) if grad and kept else ("alloc", key, nbytes))
+
+    keep("perm", rows * INT64)
+    keep("index", rows * INT64)
+    keep("gathered", rows * h * p, trained)
+    if not grad:  # the gather's index: no backward reads it
+        steps.append(("free", "index"))
+    keep("weights", rows * routing)
+    steps += [("alloc", "histc", rows * HISTC_INPUT), ("alloc", "counts", FP32 * e)]
+    keep("offsets", FP32 * e)
+    for nbytes in mask:
+        keep("mask", rows * nbytes)
+    if moe_rules(spec).expert_biases and trained:  # the ids that gather the biases
+        keep("bias_index", rows * INT64)
+    steps.append(("alloc", "gate_up", rows * 2 * inter * p))
+    keep("masked", rows * 2 * inter * p)
+    steps.append(("free", "gate_up"))
+    keep("act", rows * inter * p)
+    keep("product", rows * inter * p, trained)
+    if not grad:
+        steps += [("free", "act"), ("free", "masked")]
+    steps.append(("alloc", "down", rows * h * p))
+    if not trained:
+        steps.append(("free", "product"))
+    keep("out", rows * h * p)
+    steps += [("free", "down"), ("alloc", "weighted", weighted)]
+    keep("inv_perm", rows * INT64)
+    steps += [("alloc", "arange", rows * INT64), ("free", "arange")]
+    steps += [("alloc", "permuted", weighted), ("free", "weighted")]
+    steps.append(("alloc", "sum", tokens * h * max(p, routing)))
+    # everything still held goes when the function returns (the saved entries stay)
+    live: dict[str, None] = {}
+    for step in steps:
+        if step[0] == "alloc":
+            live[step[1]] = None
+        elif step[0] == "free":
+            del live[step[1]]
+    return steps + [("free", key) for key in live]
+
+
+def experts_programs(ctx: LayerContext, saved: Saved, tokens: int) -> dict[str, list[ForwardStep]]:
+    """The experts' program around the layer's "moe.experts" entries where it saves them."""
+    names = {name for name, _, _ in saved.tensors}
+    if not runs_grouped_experts(ctx) or "moe.experts" not in names:
+        return {}
+    return {"moe.experts": experts_program(ctx, tokens, grad=True)}
+
+
+def unsaved_experts_program(ctx: LayerContext, saved: Saved, tokens: int) -> list[ForwardStep]:
+    """The experts' program of a layer whose MoE block saves nothing (no graph reaches it)."""
+    names = {name for name, _, _ in saved.tensors}
+    if not runs_grouped_experts(ctx) or "moe.experts" in names:
+        return []
+    return experts_program(ctx, tokens, grad=False)

@@ -52,7 +52,11 @@ from memplan.estimators.deltanet import (
     deltanet_forward_peak,
 )
 from memplan.estimators.events import EventLog
-from memplan.estimators.grouped_experts import recomputed_experts_peak
+from memplan.estimators.grouped_experts import (
+    experts_programs,
+    recomputed_experts_peak,
+    unsaved_experts_program,
+)
 from memplan.estimators.kernel_scratch import (
     CudaDevice,
     embedding_backward_bytes,
@@ -217,6 +221,9 @@ class ForwardSaved:
     # Per layer, the forward's temporaries around its saved entries of a name, by that name
     # (norm_programs.norm_programs: the HF RMSNorms'; adapters.forward_programs: LoRA's).
     forward_programs: list[dict[str, list[ForwardStep]]] = field(default_factory=list)
+    # per layer, the grouped experts' temporaries where its MoE block saves nothing
+    # (grouped_experts.unsaved_experts_program; empty elsewhere)
+    unsaved_experts: list[list[ForwardStep]] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -279,6 +286,7 @@ def forward_saved(
     before_names: dict[tuple[bool, ...], tuple[list[str], list[str]]] = {}
     moe_backward: dict[tuple[bool, ...], list[MoeStep]] = {}
     programs: dict[tuple[bool, ...], dict[str, list[ForwardStep]]] = {}
+    unsaved: dict[tuple[bool, ...], list[ForwardStep]] = {}
     for ctx in contexts:
         kind = layer_kind(ctx)
         if kind not in by_kind:
@@ -287,6 +295,8 @@ def forward_saved(
             programs[kind] = {**norm_programs(ctx, saved, tokens)}
             programs[kind].update(scores_programs(ctx, saved, tokens))
             programs[kind].update(forward_programs(ctx, saved, tokens))
+            programs[kind].update(experts_programs(ctx, saved, tokens))
+            unsaved[kind] = unsaved_experts_program(ctx, saved, tokens)
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
             after = saved_allocations(saved, tokens, AFTER_ATTENTION)
             by_kind[kind] = ([blocks(n) for n in before], [blocks(n) for n in after])
@@ -339,6 +349,7 @@ def forward_saved(
         before_names=[before_names[layer_kind(ctx)][0] for ctx in contexts],
         recomputed_before_names=[before_names[layer_kind(ctx)][1] for ctx in contexts],
         forward_programs=[programs[layer_kind(ctx)] for ctx in contexts],
+        unsaved_experts=[unsaved[layer_kind(ctx)] for ctx in contexts],
         forward_masks=[]
         if setup.grad_checkpointing
         else [blocks(n) for n in chunked_model_masks(setup, dtypes, contexts)],
@@ -1533,6 +1544,8 @@ def walk_step(
             names = saved.before_names[index]
             kept_before = alloc_saved(builder, before, by_name, names=names, programs=programs)
             layer_kept.append((kept_before, alloc_saved_after(builder, saved, index, after)))
+            if saved.unsaved_experts and saved.unsaved_experts[index]:
+                play_forward(builder, saved.unsaved_experts[index], list, [], marked=False)
             if sizes.layer_fwd_peak_delta is not None:
                 builder.mark("forward", f"layer {index}", [sizes.layer_fwd_peak_delta])
         layout.forward_exit(builder, f"layer {index}")
