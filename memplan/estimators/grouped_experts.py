@@ -106,6 +106,35 @@ def recomputed_experts_peak(ctx: LayerContext, tokens: int) -> int | None:
     return max(0, total)
 
 
+def experts_backward_start(ctx: LayerContext, tokens: int) -> int | None:
+    """Bytes the experts' backward holds at its start beyond all the layer saved, for `tokens`
+    tokens; None where the layer runs no grouped experts or no gradient reaches them. Each of
+    k h p_w: the un-permuting index's gradient (new_zeros, then index_put_ in place: autograd
+    adds out of place only for subclass-like tensors, a dispatch mode's included), then the
+    weighting's two products, the output gradient times the routing weights and times the rows
+    (the rows' cast to p comes once the node has released its saved rows). Autograd's copy of
+    the output gradient over the k rows is freed by then. Less what the branch after the
+    experts has freed, its backward running first (shared_backward_frees)."""
+    if not runs_grouped_experts(ctx) or not ctx.output_needs_grad(1):
+        return None
+    spec, d = ctx.spec, ctx.dtypes
+    weighted = max(d.param, moe_router_saved(ctx, Saved()))
+    rows = spec.num_experts_per_tok * tokens
+    held = 3 * rows * spec.hidden_size * weighted
+    return max(0, held - shared_backward_frees(ctx, tokens))
+
+
+def shared_backward_frees(ctx: LayerContext, tokens: int) -> int:
+    """What the branch run after the experts has freed when the experts' backward starts, its
+    backward running first: DeepSeek-style shared experts free all they saved
+    (saved_after_experts) but hold their input's gradient (tokens x h, in the residual's dtype)
+    until the experts' is added to it; a sigmoid gate frees itself alone."""
+    after = saved_after_experts(ctx, layer_saved(ctx), tokens)
+    if not after or shared_expert_gated(ctx.spec):
+        return after
+    return max(0, after - tokens * ctx.spec.hidden_size * ctx.dtypes.residual)
+
+
 def saved_after_experts(ctx: LayerContext, saved: Saved, tokens: int) -> int:
     """What the MoE block saves after its experts return: Qwen3-Next's sigmoid gate (one per
     token) or DeepSeek-style shared experts, and under autocast the copies of their weights

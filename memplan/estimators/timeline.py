@@ -53,6 +53,7 @@ from memplan.estimators.deltanet import (
 )
 from memplan.estimators.events import EventLog
 from memplan.estimators.grouped_experts import (
+    experts_backward_start,
     experts_programs,
     recomputed_experts_peak,
     unsaved_experts_program,
@@ -678,7 +679,9 @@ class StepSizes:
     kept_kv: list[KeptKv]
     autocast_cache: int
     mlp_bwd_transient: list[list[int]]  # per layer
-    mlp_bwd_transient: list[list[int]]  # per layer
+    # per layer, the grouped experts' backward start (grouped_experts.experts_backward_start),
+    # before the MLP's weight gradients exist; None elsewhere
+    moe_bwd_start: list[int | None]
     # gpt-oss's experts: their backward's peak less what the layer saved after attention (the
     # MLP mark then frees those first and holds this beside them); None: the MLP rule above.
     clamped_moe_bwd_delta: int | None
@@ -827,6 +830,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             mlp_backward_transient(spec, setup, dtypes, spec.moe_layer(index))
             for index in range(spec.num_hidden_layers)
         ],
+        moe_bwd_start=[experts_backward_start(ctx, tokens) for ctx in contexts],
         clamped_moe_bwd_delta=clamped_moe_backward_delta(spec, setup, dtypes, weights.param)
         if spec.num_experts and moe_rules(spec).clamped_glu
         else None,
@@ -1725,6 +1729,9 @@ def walk_step(
                 keep_gradients(f"layer {index}", part, *grads)
                 play_scratch(builder, label, scratch[part == "attention"])
                 continue
+            start = sizes.moe_bwd_start[index]
+            if part == "mlp" and start is not None:
+                builder.mark("backward", label, [start])
             delta = sizes.clamped_moe_bwd_delta
             if part == "mlp" and delta is not None and spec.moe_layer(index):
                 kept_bytes = sum(builder.size_of(t)[0] for t in kept)
