@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,6 +107,15 @@ def test_the_analytic_stream_reserves_what_the_recorded_run_reserved(name: str) 
     assert predicted.reserved_bytes == pytest.approx(m.reserved_bytes, rel=0.025)
 
 
+def judged_measurement(path: Path, index: int, gpu_name: str) -> tuple[Measurement, Any]:
+    """A measured case that ran and the walk's judged estimate of it on the GPU it ran on."""
+    m = load_reports([path]).measurements[index]
+    assert m.status == "ok" and m.reserved_bytes
+    gpu = measured_gpu(m, resolve_gpu(gpu_name))
+    assert gpu is not None
+    return m, judge(spec_from_hf_config(m.hf_config, m.model), ran_setup(m), gpu)
+
+
 # Qwen3.5-0.8B at batch 4 x 2048 in bf16, measured on an H200. Without the final norm's fp32
 # product (a freed 32 MiB block) the autograd thread's cuBLAS workspace split a logits-sized
 # segment, which the optimizer's states then kept, and the steady step reserved a fourth
@@ -117,13 +127,10 @@ FAMILIES_H200 = Path(__file__).parents[1] / "benchmarks" / "results_families_h20
 def test_the_analytic_stream_reserves_what_qwen3_5_reserved(index: int) -> None:
     """The walk's stream of Qwen3.5-0.8B's three measured cases (plain, the plan, LoRA q and v)
     against max_memory_reserved(): within 1%."""
-    m = load_reports([FAMILIES_H200]).measurements[index]
-    assert m.model == "qwen3.5-0.8b" and m.reserved_bytes
-    spec = spec_from_hf_config(m.hf_config, m.model)
-    gpu = measured_gpu(m, resolve_gpu("H200"))
-    assert gpu is not None
-    predicted = predict_reserved(spec, ran_setup(m), gpu)
-    assert predicted.reserved_bytes == pytest.approx(m.reserved_bytes, rel=0.01)
+    m, predicted = judged_measurement(FAMILIES_H200, index, "H200")
+    assert m.model == "qwen3.5-0.8b"
+    assert predicted.reserved is not None
+    assert predicted.reserved.reserved_bytes == pytest.approx(m.reserved_bytes, rel=0.01)
 
 
 # Six cases away from the edge, measured on an H100 after their predictions were committed
@@ -135,12 +142,7 @@ HELD_OUT_H100 = Path(__file__).parents[1] / "benchmarks" / "results_held_out_h10
 def test_the_analytic_stream_holds_out_of_sample(index: int) -> None:
     """The walk's allocated and reserved peaks of cases it was not written on: allocated within
     0.1%, reserved within the issue's 4% (first predictions: 0.00% and at most 2.04%)."""
-    m = load_reports([HELD_OUT_H100]).measurements[index]
-    assert m.status == "ok" and m.reserved_bytes
-    spec = spec_from_hf_config(m.hf_config, m.model)
-    gpu = measured_gpu(m, resolve_gpu("H100"))
-    assert gpu is not None
-    predicted = judge(spec, ran_setup(m), gpu)
+    m, predicted = judged_measurement(HELD_OUT_H100, index, "H100")
     assert predicted.peak_bytes == pytest.approx(m.peak_bytes, rel=0.001)
     assert predicted.reserved is not None
     assert predicted.reserved.reserved_bytes == pytest.approx(m.reserved_bytes, rel=0.04)
