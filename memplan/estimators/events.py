@@ -12,7 +12,8 @@ from typing import Literal
 Action = Literal["alloc", "free"]
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a walk makes hundreds of thousands of events, and frozen init costs 4x.
+@dataclass(slots=True)
 class Event:
     """One allocation (`nbytes` as requested, before the allocator rounds it) or the release of
     the allocation that `tensor` names. `category` is the breakdown key (weights, gradients,
@@ -34,27 +35,26 @@ class EventLog:
 
     events: list[Event] = field(default_factory=list)
     step_ends: list[int] = field(default_factory=list)  # event counts where each step ends
-    _sizes: dict[int, tuple[int, str]] = field(default_factory=dict)
-    _streams: dict[int, int] = field(default_factory=dict)
+    _live: dict[int, tuple[int, str, int]] = field(default_factory=dict)  # bytes, category, stream
     _next: int = 0
 
     def alloc(self, nbytes: int, category: str, phase: str, label: str, stream: int = 0) -> int:
         tensor = self._next
         self._next += 1
-        self._sizes[tensor] = (nbytes, category)
-        self._streams[tensor] = stream
+        self._live[tensor] = (nbytes, category, stream)
         self.events.append(Event("alloc", tensor, nbytes, category, phase, label, stream))
         return tensor
 
     def free(self, tensor: int, phase: str, label: str) -> None:
-        nbytes, category = self._sizes.pop(tensor)
-        stream = self._streams.pop(tensor)
+        nbytes, category, stream = self._live.pop(tensor)
         self.events.append(Event("free", tensor, nbytes, category, phase, label, stream))
 
     def retag(self, tensor: int, category: str) -> None:
         """Count a live allocation under another category from now on."""
-        self._sizes[tensor] = (self._sizes[tensor][0], category)
+        nbytes, _, stream = self._live[tensor]
+        self._live[tensor] = (nbytes, category, stream)
 
     def size_of(self, tensor: int) -> tuple[int, str]:
         """(bytes, category) of an allocation not yet released."""
-        return self._sizes[tensor]
+        nbytes, category, _ = self._live[tensor]
+        return nbytes, category

@@ -246,14 +246,20 @@ class Fsdp2(OneGpu):
         self._held_gather: int | None = None  # the last forward all-gather output
         self._held_reduce: int | None = None  # the last reduce-scatter input
         self._pending: list[str] = []  # groups whose post-backward waits for the final callback
+        self._order: tuple[str, ...] | None = None
+        self._position: dict[str, int] = {}
 
     # ------------------------------------------------------------------ sizes
     def _group(self, name: str) -> Group:
         return self.groups["layer" if name.startswith("layer") else name]
 
-    def forward_order(self) -> list[str]:
-        names = ["embedding"] if "embedding" in self.groups else []
-        return names + [f"layer {i}" for i in range(self.layers)] + ["tail"]
+    def forward_order(self) -> tuple[str, ...]:
+        # made once: the walk asks for it per layer, and a deep model's list is long
+        if self._order is None:
+            names = ["embedding"] if "embedding" in self.groups else []
+            self._order = (*names, *(f"layer {i}" for i in range(self.layers)), "tail")
+            self._position = {name: i for i, name in enumerate(self._order)}
+        return self._order
 
     def sharded(self, name: str) -> list[int]:
         return [p.shard(self.ranks) * p.stored for p in self._group(name).params]
@@ -364,7 +370,7 @@ class Fsdp2(OneGpu):
             live.gathered = self._copy_out(builder, group)
             builder.free(output)
         order = self.forward_order()
-        index = order.index(group)
+        index = self._position[group]
         if index > 0:  # prefetch the group that ran before this one in forward
             previous = order[index - 1]
             before = self._live.setdefault(previous, _Live())

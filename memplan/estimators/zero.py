@@ -80,6 +80,8 @@ class Zero(OneGpu):
         self._grads: list[int] = []
         self._ipg: list[int] = []
         self._gathered: dict[tuple[str, int], int] = {}  # (group, parameter index) -> tensor
+        self._held: list[tuple[tuple[str, int], int]] | None = None  # the list _hold last held
+        self._param_lists: dict[str, list[tuple[tuple[str, int], int]]] = {}
         self._windows: dict[str | None, list[tuple[tuple[str, int], int]]] = {}
         self.persistence = PERSISTENCE_PER_HIDDEN * spec.hidden_size
 
@@ -151,15 +153,19 @@ class Zero(OneGpu):
     # ------------------------------------------------------------------ gathers (stage 3)
     def _params(self, group: str) -> list[tuple[tuple[str, int], int]]:
         """(key, elements) of the group's gathered parameters (persistent ones excluded), in
-        backward order (a layer's MLP before its attention)."""
-        name = self._name(group)
-        found = self.groups.get(name)
-        params = list(found.params) if found else []
-        return [
-            ((group, i), p.numel)
-            for i, p in reversed(list(enumerate(params)))
-            if p.numel > self.persistence
-        ]
+        backward order (a layer's MLP before its attention); made once a group (every window
+        walks the groups after its own)."""
+        cached = self._param_lists.get(group)
+        if cached is None:
+            name = self._name(group)
+            found = self.groups.get(name)
+            params = list(found.params) if found else []
+            cached = self._param_lists[group] = [
+                ((group, i), p.numel)
+                for i, p in reversed(list(enumerate(params)))
+                if p.numel > self.persistence
+            ]
+        return cached
 
     def _backward_order(self, group: str | None) -> list[str]:
         """The groups backward uses from `group` on (None: all of them), in order; the tied
@@ -193,8 +199,9 @@ class Zero(OneGpu):
 
     def _hold(self, builder: StepBuilder, wanted: list[tuple[tuple[str, int], int]]) -> None:
         """Gathers exactly `wanted`: frees the others, allocates the missing ones in order."""
-        if self.stage < 3 or self.ranks == 1:
-            return
+        if self.stage < 3 or self.ranks == 1 or wanted is self._held:
+            return  # the same (cached) list held again: nothing to do
+        self._held = wanted
         keys = {key for key, _ in wanted}
         builder.free_all([self._gathered.pop(k) for k in list(self._gathered) if k not in keys])
         for key, numel in wanted:
