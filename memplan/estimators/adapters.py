@@ -15,12 +15,8 @@ forward, alive until down_proj (and its adapter) has run."""
 from __future__ import annotations
 
 from memplan.estimators.contracts import FP32, LayerContext, Saved
+from memplan.estimators.events import ForwardStep
 from memplan.estimators.params import LORA_TARGET_SHAPES, layer_lora_targets
-
-# A step of a forward program: ("alloc", key, bytes), ("free", key), ("saved",): the saved
-# entries the program is keyed by are made here (("saved", n): the next n of them), ("mark",):
-# the forward's high point inside it; ("unsaved",): under no_grad, those made so far are freed.
-ForwardStep = tuple
 
 # What each adapted linear reads, as the name of the layer_saved entries that make it (its
 # adapter's saved tensors follow them in the forward), by target.

@@ -11,6 +11,11 @@ from typing import Literal
 
 Action = Literal["alloc", "free"]
 
+# A step of a forward program: ("alloc", key, bytes), ("free", key), ("saved",): the saved
+# entries the program is keyed by are made here (("saved", n): the next n of them), ("mark",):
+# the forward's high point inside it; ("unsaved",): under no_grad, those made so far are freed.
+ForwardStep = tuple
+
 
 # Not frozen: a walk makes hundreds of thousands of events, and frozen init costs 4x.
 @dataclass(slots=True)

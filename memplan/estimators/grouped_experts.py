@@ -20,7 +20,6 @@ with the routing weights' dtype)."""
 
 from __future__ import annotations
 
-from memplan.estimators.adapters import ForwardStep
 from memplan.estimators.contracts import (
     FP32,
     INT64,
@@ -31,6 +30,7 @@ from memplan.estimators.contracts import (
     moe_router_saved,
     qkv_need_grad,
 )
+from memplan.estimators.events import ForwardStep
 from memplan.estimators.params import moe_rules, shared_expert_gated
 from memplan.estimators.releases import Release
 from memplan.schema import ModelSpec

@@ -13,8 +13,8 @@ no program."""
 
 from __future__ import annotations
 
-from memplan.estimators.adapters import ForwardStep
 from memplan.estimators.contracts import FP32, INPUT_ITSELF, LayerContext, Saved, gemma_norms
+from memplan.estimators.events import ForwardStep
 
 NORMS = ("norm.attn", "norm.mlp", "attn.q_norm", "attn.k_norm")
 TEMPORARIES = [("free", "norm.cast"), ("free", "norm.normed")]

@@ -12,8 +12,8 @@ played: softcapping, sinks, dropout, Llama 4's low-precision softmax (other ops)
 
 from __future__ import annotations
 
-from memplan.estimators.adapters import ForwardStep
 from memplan.estimators.contracts import FP32, LayerContext, Saved, attention_path, scores_bytes
+from memplan.estimators.events import ForwardStep
 
 PROBS, CAST = "attn.probs", "attn.probs.cast"
 

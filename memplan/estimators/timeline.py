@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from memplan.estimators import kernel_contracts as kc
-from memplan.estimators.adapters import ForwardStep, forward_order, forward_programs
+from memplan.estimators.adapters import forward_order, forward_programs
 from memplan.estimators.contracts import (
     AFTER_ATTENTION,
     EVERY_EXPERT_AUTOCAST_NAMES,
@@ -51,7 +51,7 @@ from memplan.estimators.deltanet import (
     deltanet_cache_bytes,
     deltanet_forward_peak,
 )
-from memplan.estimators.events import EventLog
+from memplan.estimators.events import EventLog, ForwardStep
 from memplan.estimators.grouped_experts import (
     experts_backward_start,
     experts_programs,
