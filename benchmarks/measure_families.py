@@ -3,7 +3,7 @@ three cases each (Hugging Face as it is, the advisor's plan, and LoRA or checkpo
 predicted before anything ran.
 
     python benchmarks/measure_families.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups families|recomputed-moe]
+        [--setups families|recomputed-moe|gated-norm]
     python benchmarks/measure_families.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_families.py table PREDICTIONS.json RESULTS.json
 
@@ -82,6 +82,17 @@ RECOMPUTED_MOE_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
 ]
 
 
+# The gated DeltaNet families with the advisor's plan, whose rms_norm kernel patches the gated
+# RMSNorm too (memplan.kernels.gated_rms_norm): plain, under LoRA (q, v) and checkpointed.
+GATED_NORM_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
+    ("qwen3.5-0.8b", None, 4, {}),
+    ("qwen3.5-0.8b", None, 4, LORA),
+    ("qwen3.5-0.8b", None, 8, CHECKPOINTING),
+    ("qwen3.5-35b-a3b", 4, 3, {}),
+    ("qwen3-next-80b-a3b-instruct", 4, 3, {}),
+]
+
+
 def _spec(model: str, layers: int | None) -> Any:
     spec = resolve_model(model)
     return spec if layers is None else with_layers(spec, layers)
@@ -105,7 +116,19 @@ def recomputed_moe_runs(gpu: Any) -> list[tuple[Any, Any]]:
     return out
 
 
-SETUP_SETS = {"families": runs, "recomputed-moe": recomputed_moe_runs}
+def gated_norm_runs(gpu: Any) -> list[tuple[Any, Any]]:
+    out = []
+    for model, layers, batch, options in GATED_NORM_CASES:
+        spec = _spec(model, layers)
+        out.append((spec, advise(spec, batch, SEQ, gpu=gpu, kernels="auto", **options).setup))
+    return out
+
+
+SETUP_SETS = {
+    "families": runs,
+    "recomputed-moe": recomputed_moe_runs,
+    "gated-norm": gated_norm_runs,
+}
 
 
 def predict(args: argparse.Namespace) -> int:

@@ -328,6 +328,13 @@ def test_lora_matches_autograd_on_cpu(
         # Eager attention under LoRA on q alone: the RoPE kernel gives k a gradient too, so the
         # first layer keeps q and k, unlike HF's RoPE (test_lora_matches_autograd_on_cpu).
         ("llama", ("rope",), "bf16", ("q_proj",)),
+        # Qwen3.5: the gated DeltaNet's gated RMSNorm keeps x, the gate and rstd (rms_norm),
+        # with the base weights trained or frozen
+        ("qwen3_5_text", ("rms_norm", "swiglu", "flce"), "bf16", ()),
+        ("qwen3_5_text", ("rms_norm",), "bf16", ("gate_proj", "up_proj")),
+        pytest.param(
+            "qwen3_5_text", ("rms_norm", "cross_entropy"), "fp32", (), marks=pytest.mark.slow
+        ),
         # Qwen3.5-MoE: the Gemma-cast norms and the shared expert's GLU kernel beside the
         # DeltaNet, the gated attention and the experts as transformers runs them
         ("qwen3_5_moe_text", ("rms_norm", "swiglu", "flce"), "bf16", ()),

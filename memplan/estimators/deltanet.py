@@ -53,7 +53,8 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
       matmuls copy four strided operands of nv x dk per padded token;
     - the gated RMSNorm: its fp32 input, rsqrt, the normalized product in the input's dtype
       where its weight trains, weight x that product (fp32 under autocast, whose weight is
-      fp32), the fp32 gate and its SiLU; out_proj's input where its weight trains."""
+      fp32), the fp32 gate and its SiLU; with memplan's kernel (rms_norm) its input, the gate
+      and rsqrt; out_proj's input where its weight trains."""
     if not ctx.needs_input_grad:
         return  # no adapter inside: nothing before the layer's output needs a gradient
     spec, p, d = ctx.spec, ctx.dtypes.proj, ctx.dtypes
@@ -96,12 +97,17 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     for nbytes in fixed:
         out.add("delta.chunk", constant=nbytes)
     v = nv * dv
-    product = FP32 if d.autocast else p
-    out.add_each("delta.norm", FP32 * v, FP32 * nv, p * v * trained, product * v)
-    # the fp32 gate z: in fp32 with as many key as value heads Qwen3-Next's z is a view of the
-    # whole in_proj_qkvz output, which it keeps
-    gate = FP32 * (conv + v) if fp32_views and nk == nv and fused_deltanet(spec) else FP32 * v
-    out.add_each("delta.norm", gate, FP32 * v)
+    # with as many key as value heads Qwen3-Next's z is a view of the whole in_proj_qkvz
+    # output, which a saved z keeps
+    z_keeps_qkvz = nk == nv and fused_deltanet(spec)
+    if "rms_norm" in ctx.kernels:  # memplan's gated RMSNorm: x, the gate z and rstd per head
+        out.add_each("delta.norm", p * v, p * (conv + v) if z_keeps_qkvz else p * v, FP32 * nv)
+    else:
+        product = FP32 if d.autocast else p
+        out.add_each("delta.norm", FP32 * v, FP32 * nv, p * v * trained, product * v)
+        # the fp32 gate z (a view where it is in fp32 already)
+        gate = FP32 * (conv + v) if fp32_views and z_keeps_qkvz else FP32 * v
+        out.add_each("delta.norm", gate, FP32 * v)
     out.add("delta.out", p * v * trained)
 
 

@@ -27,6 +27,18 @@ def rms_norm_saved_bytes(rows: int, hidden: int, dtype_bytes: int) -> int:
     return int(sum(rms_norm_saved_tensors(rows, hidden, dtype_bytes)))
 
 
+def gated_rms_norm_saved_tensors(rows: float, width: int, dtype_bytes: int) -> tuple[float, ...]:
+    """The three tensors the gated RMSNorm saves: its input and gate (rows x width, their
+    dtype) and the fp32 inverse RMS per row. Backward allocates dx and dgate like them and an
+    fp32 dW partial of at most SMs x width."""
+    return rows * width * dtype_bytes, rows * width * dtype_bytes, rows * FP32
+
+
+def gated_rms_norm_saved_bytes(rows: int, width: int, dtype_bytes: int) -> int:
+    """gated_rms_norm_saved_tensors together."""
+    return int(sum(gated_rms_norm_saved_tensors(rows, width, dtype_bytes)))
+
+
 def layer_norm_saved_bytes(rows: int, hidden: int, dtype_bytes: int) -> int:
     """Input x plus fp32 mean and inverse std per row. Backward allocates dx (rows x hidden) and
     fp32 dW/dB partials of at most SMs x hidden each."""

@@ -37,6 +37,16 @@ class NormSpec:
 
 
 @dataclass(frozen=True)
+class GatedNormSpec:
+    """Gated RMSNorm modules, forward(hidden_states, gate) = weight x norm(x) x silu(gate) in
+    Hugging Face's casting (the gated DeltaNet's norm before out_proj) ->
+    memplan.kernels.gated_rms_norm, switched on with the rms_norm kernel."""
+
+    classes: tuple[str, ...]
+    eps_attr: str = "variance_epsilon"
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """Attention modules whose forward is replaced by the one generic attention forward that
     applies memplan's RoPE kernel and then calls transformers' attention interface.
@@ -161,4 +171,5 @@ class PatchSpec:
     # the layer, so there is nothing to fuse, and the norms' dY is the residual's gradient too.
     decoder_layer: DecoderLayerSpec | None = None
     embedding: EmbeddingSpec = field(default=EmbeddingSpec())
+    gated_norm: GatedNormSpec | None = None
     notes: tuple[str, ...] = field(default=())

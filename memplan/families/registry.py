@@ -12,6 +12,7 @@ from memplan.families.patch_spec import (
     CausalLMSpec,
     DecoderLayerSpec,
     EmbeddingSpec,
+    GatedNormSpec,
     MlpSpec,
     NormSpec,
     PatchSpec,
@@ -880,6 +881,7 @@ FAMILIES: dict[str, Family] = {
                 # (1 + w) in fp32 on fp32 x, cast at the end: Gemma's casting; q_norm and
                 # k_norm are of the class too
                 norm=_gemma_norm("Qwen3_5", in_place_backward=True),
+                gated_norm=GatedNormSpec(classes=("Qwen3_5RMSNormGated",)),
                 # the gated attention (sigmoid output gate, multimodal RoPE) keeps its forward
                 attention=AttentionSpec(classes=()),
                 mlp=MlpSpec(classes=("Qwen3_5MLP",)),
@@ -923,6 +925,7 @@ FAMILIES: dict[str, Family] = {
             patch=PatchSpec(
                 model_type="qwen3_5_moe_text",
                 norm=_gemma_norm("Qwen3_5Moe", in_place_backward=True),
+                gated_norm=GatedNormSpec(classes=("Qwen3_5MoeRMSNormGated",)),
                 attention=AttentionSpec(classes=()),
                 # the shared expert is a Qwen3_5MoeMLP
                 mlp=MlpSpec(classes=("Qwen3_5MoeMLP",)),
@@ -969,6 +972,7 @@ FAMILIES: dict[str, Family] = {
             patch=PatchSpec(
                 model_type="qwen3_next",
                 norm=_gemma_norm("Qwen3Next", in_place_backward=True),
+                gated_norm=GatedNormSpec(classes=("Qwen3NextRMSNormGated",)),
                 # the gated attention (sigmoid output gate) keeps its forward
                 attention=AttentionSpec(classes=()),
                 # the shared expert is a Qwen3NextMLP

@@ -259,6 +259,19 @@ def load_fp32(ptr, mask, EVICT_FIRST: tl.constexpr):
     return value.to(tl.float32)
 
 
+@triton.jit
+def rounded_to(value, DTYPE: tl.constexpr):
+    """fp32 `value` rounded to DTYPE's precision (kept in fp32), to nearest even as torch's
+    casts round. For bf16 by integer arithmetic, which Triton's CPU interpreter runs as the GPU
+    does (its casts truncate); finite values only."""
+    if DTYPE == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return value.to(DTYPE).to(tl.float32)
+
+
 def empty_like_rows(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new contiguous tensor of t's shape and device, in `dtype` (t's by default): an output
     the kernels index with unit column stride and their own row stride. empty_like, because it

@@ -536,6 +536,13 @@ def _plan_targets(
                 handoff = handoffs.setdefault(id(module), forwards.PrenormedHandoff(module))
                 forward = forwards.norm_forward(spec.norm, functions["rms_norm"], handoff, facts)
                 targets.append(_Target(name, module, ("rms_norm",), forward))
+            elif "rms_norm" in chosen and spec.gated_norm and cls in spec.gated_norm.classes:
+                _require(module, ("weight", spec.gated_norm.eps_attr))
+                if getattr(module, "activation", "silu") not in ("silu", "swish"):
+                    raise ValueError(f"its gate's activation is {module.activation!r}, not silu")
+                gated = importlib.import_module("memplan.kernels.gated_rms_norm").gated_rms_norm
+                forward = forwards.gated_norm_forward(spec.gated_norm, gated, facts)
+                targets.append(_Target(name, module, ("rms_norm",), forward))
             elif "rope" in chosen and cls in spec.attention.classes:
                 needed = ["config", "head_dim", "scaling", "layer_idx", "o_proj"]
                 needed += ["qkv_proj"] if spec.attention.qkv == "fused" else ["q_proj", "k_proj"]

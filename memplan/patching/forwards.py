@@ -25,6 +25,7 @@ from memplan.families.patch_spec import (
     AttentionSpec,
     CausalLMSpec,
     DecoderLayerSpec,
+    GatedNormSpec,
     MlpSpec,
     NormSpec,
 )
@@ -119,6 +120,19 @@ def norm_forward(
         if prenormed is not None:
             return prenormed[0]
         return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), **options)
+
+    return forward
+
+
+def gated_norm_forward(
+    spec: GatedNormSpec, gated_rms_norm: Callable[..., torch.Tensor], facts: DeviceFacts = ON_DEVICE
+) -> Forward:
+    """The gated RMSNorm's forward through the kernel."""
+    eps_attr = spec.eps_attr
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        eps = getattr(self, eps_attr)
+        return gated_rms_norm(hidden_states, gate, self.weight, eps, sm_count=facts.sm_count)
 
     return forward
 

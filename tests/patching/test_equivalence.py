@@ -227,8 +227,8 @@ def test_gated_deltanet_moe_patches_its_norms_and_shared_expert_and_keeps_its_ex
     monkeypatch, family
 ):
     """Qwen3.5-MoE and Qwen3-Next: memplan's RMSNorm on the decoder norms and the full
-    attention's q/k norms (not the DeltaNet's gated norm), SwiGLU in each MoE block's shared
-    expert (and Qwen3-Next's dense layer: the tiny model's last); the DeltaNet, the gated
+    attention's q/k norms, its gated RMSNorm on the DeltaNet's norm, SwiGLU in each MoE block's
+    shared expert (and Qwen3-Next's dense layer: the tiny model's last); the DeltaNet, the gated
     attention with its RoPE, the router, the experts and the shared expert's sigmoid gate as
     transformers runs them; the model trains as HF's does."""
     calls = rope_calls(monkeypatch)
@@ -242,7 +242,9 @@ def test_gated_deltanet_moe_patches_its_norms_and_shared_expert_and_keeps_its_ex
     assert "rope" not in applied.kernels
     assert {"rms_norm", "swiglu", "flce"} <= set(applied.kernels)
     assert set(applied.modules["swiglu"]) == glus and "model.layers.0.mlp.shared_expert" in glus
-    assert not [name for name in applied.modules["rms_norm"] if "linear_attn" in name]
+    assert [name for name in applied.modules["rms_norm"] if "linear_attn" in name] == [
+        "model.layers.0.linear_attn.norm"
+    ]
     assert "model.layers.1.self_attn.q_norm" in applied.modules["rms_norm"]
     lockstep(reference, patched, steps=2, loss_tol=1e-5, grad_tol=1e-5)
     assert not calls
