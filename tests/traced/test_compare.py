@@ -40,7 +40,7 @@ LLAMA4_MOE_HEAVY = {"num_local_experts": 8, "intermediate_size": 2048, "vocab_si
 QWEN3_MOE_HEAVY = {"num_experts": 8, "num_experts_per_tok": 4, "vocab_size": 512}
 GLM4_MOE_HEAVY = {"n_routed_experts": 8, "num_experts_per_tok": 4, "vocab_size": 512}
 LORA_QV = {"lora_rank": 16, "lora_targets": ("q_proj", "v_proj")}
-PLAN_KERNELS = ("rms_norm", "swiglu", "flce", "embedding")
+LAYER_KERNELS = ("rms_norm", "swiglu", "embedding")
 # One setup beside plain bf16 per family, so that each option meets several families.
 VARIANTS = {
     "llama": {"grad_checkpointing": True},
@@ -183,12 +183,11 @@ EXTRA_VARIANTS = [
         {},
         {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
     ),
-    # memplan's gated RMSNorm in the DeltaNet (with the other kernels of the plan): in bf16,
-    # under autocast (its fp32 weight), checkpointed, and with Qwen3-Next's fused projections
-    ("qwen3_5_text", {}, {"kernels": PLAN_KERNELS}),
-    ("qwen3_5_text", {}, {"kernels": PLAN_KERNELS, "precision": "amp-bf16"}),
-    ("qwen3_5_text", {}, {"kernels": PLAN_KERNELS, "grad_checkpointing": True}),
-    ("qwen3_next", {}, {"kernels": PLAN_KERNELS}),
+    # memplan's gated RMSNorm in the DeltaNet (with the norm, GLU and embedding kernels): in
+    # bf16, under autocast (its fp32 weight), and with Qwen3-Next's fused projections
+    ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS}),
+    ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS, "precision": "amp-bf16"}),
+    ("qwen3_next", {}, {"kernels": LAYER_KERNELS}),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 512, "use_cache": True}, {}),
     (
         "smollm3",
@@ -253,6 +252,10 @@ EXTRA_VARIANTS = [
 # that the gap stays measured (benchmarks/contract_gaps.py) until the contracts close it.
 KNOWN_GAPS: list[tuple[str, dict, dict]] = [
     # (family, config overrides, TrainSetup options), as in EXTRA_VARIANTS
+    # the checkpointed DeltaNet's backward with memplan's gated RMSNorm: +1.6% (the traced
+    # high point is inside the chunked rule's backward, which the contracts estimate by two
+    # tensors: deltanet.deltanet_backward_transient)
+    ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS, "grad_checkpointing": True}),
 ]
 
 
