@@ -4,7 +4,7 @@ a fresh process under the measurement protocol; did it run or run out of memory 
 and how close is the predicted reserved peak.
 
     python benchmarks/measure_fit_grid.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups grid|held-out|new-families|held-out-2]
+        [--setups grid|held-out|new-families|held-out-2|gated-norm]
     python benchmarks/measure_fit_grid.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_fit_grid.py table PREDICTIONS.json RESULTS.json
 
@@ -85,11 +85,19 @@ HELD_OUT_2: list[tuple[str, str, dict[str, Any]]] = [
     ("gemma-2-2b", "none", {"lora_rank": 16}),
     ("llama-3.2-3b", "auto", {"optimizer": "adamw-fused"}),
 ]
+# Qwen3.5 with memplan's gated RMSNorm in its DeltaNet layers (the plan's rms_norm kernel),
+# written after it was patched: plain and under LoRA (checkpointed, its edge is batch 140: three
+# steps of 287K tokens through the DeltaNet's torch fallback outlast a case's time).
+GATED_NORM: list[tuple[str, str, dict[str, Any]]] = [
+    ("qwen3.5-0.8b", "auto", {}),
+    ("qwen3.5-0.8b", "auto", {"lora_rank": 16}),
+]
 SETUP_SETS = {
     "grid": SETUPS,
     "held-out": HELD_OUT,
     "new-families": NEW_FAMILIES,
     "held-out-2": HELD_OUT_2,
+    "gated-norm": GATED_NORM,
 }
 SEQ = 2048
 # Below this many sequences a batch step moves the peak too far: the edge is found in the
