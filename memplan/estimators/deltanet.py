@@ -121,17 +121,18 @@ def deltanet_cache_bytes(ctx: LayerContext) -> list[int]:
     return [conv, state * spec.linear_key_head_dim * spec.linear_value_head_dim]
 
 
-def deltanet_forward_peak(ctx: LayerContext, layer_saved_bytes: int, tokens: int) -> list[int]:
+def deltanet_forward_peak(ctx: LayerContext, layer_saved: list[int], tokens: int) -> list[int]:
     """What one gated DeltaNet layer's forward holds at its high point beyond the layer's
-    start, as the traced step shows it (not read off autograd: an estimate). Recording the
-    graph, the high point comes after the chunked rule, with everything the layer saves
-    (`layer_saved_bytes`, the MLP's included) and the residual pair alive; in a checkpointed
-    layer's graph-free forward, the padded fp32 q, k, v and beta, two 64 x 64 fp32 tensors per
-    chunk and the residual pair."""
+    start, tensor by tensor, as the traced step shows it (not read off autograd: an estimate).
+    Recording the graph, the high point comes after the chunked rule, with everything the layer
+    saves (`layer_saved`, each tensor, the MLP's included: as one block it would take a segment
+    of its own in the allocator model, which no tensor of the step reuses) and the residual
+    pair alive; in a checkpointed layer's graph-free forward, the padded fp32 q, k, v and beta,
+    two 64 x 64 fp32 tensors per chunk and the residual pair."""
     spec, d = ctx.spec, ctx.dtypes
     pair = [tokens * d.residual * spec.hidden_size] * 2
     if not ctx.setup.grad_checkpointing:
-        return [layer_saved_bytes, *pair]
+        return [*layer_saved, *pair]
     nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
     padded = CHUNK * ctx.setup.batch * chunks(ctx.seq)
     rule = FP32 * nv * padded * (2 * dk + dv + 1 + 2 * CHUNK)

@@ -813,7 +813,11 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         # Raw q, k, v before RoPE and its rotate_half temporaries (latent attention: q, k and
         # kv_b_proj's output), plus the residual pair.
         layer_fwd_transient=[
-            deltanet_forward_peak(ctx, layer_saved(ctx).bytes(tokens), tokens)
+            deltanet_forward_peak(
+                ctx,
+                [round_block(n) for n in saved_allocations(layer_saved(ctx), tokens, ())],
+                tokens,
+            )
             if ctx.spec.deltanet
             else [tokens * p * ctx.spec.num_attention_heads * w for w in qkv_widths(ctx.spec)]
             + [tokens * dtypes.residual * h] * 2
