@@ -108,20 +108,23 @@ def runs(gpu: Any) -> list[tuple[Any, Any]]:
     return out
 
 
-def recomputed_moe_runs(gpu: Any) -> list[tuple[Any, Any]]:
+def advised_runs(
+    cases: list[tuple[str, int | None, int, dict[str, Any]]], kernels: str, gpu: Any
+) -> list[tuple[Any, Any]]:
+    """Each case as advise sets it up with `kernels`."""
     out = []
-    for model, layers, batch, options in RECOMPUTED_MOE_CASES:
+    for model, layers, batch, options in cases:
         spec = _spec(model, layers)
-        out.append((spec, advise(spec, batch, SEQ, gpu=gpu, kernels="none", **options).setup))
+        out.append((spec, advise(spec, batch, SEQ, gpu=gpu, kernels=kernels, **options).setup))
     return out
+
+
+def recomputed_moe_runs(gpu: Any) -> list[tuple[Any, Any]]:
+    return advised_runs(RECOMPUTED_MOE_CASES, "none", gpu)
 
 
 def gated_norm_runs(gpu: Any) -> list[tuple[Any, Any]]:
-    out = []
-    for model, layers, batch, options in GATED_NORM_CASES:
-        spec = _spec(model, layers)
-        out.append((spec, advise(spec, batch, SEQ, gpu=gpu, kernels="auto", **options).setup))
-    return out
+    return advised_runs(GATED_NORM_CASES, "auto", gpu)
 
 
 SETUP_SETS = {
