@@ -3,7 +3,7 @@ three cases each (Hugging Face as it is, the advisor's plan, and LoRA or checkpo
 predicted before anything ran.
 
     python benchmarks/measure_families.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups families|recomputed-moe|gated-norm]
+        [--setups families|recomputed-moe|gated-norm|gated-norm-held-out]
     python benchmarks/measure_families.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_families.py table PREDICTIONS.json RESULTS.json
 
@@ -93,6 +93,16 @@ GATED_NORM_CASES: list[tuple[str, int | None, int, dict[str, Any]]] = [
 ]
 
 
+# Written after the DeltaNet's forward high point was modelled tensor by tensor, to test it out
+# of sample: the gated RMSNorm's fp32 weight under autocast, Qwen3.5-MoE at another batch,
+# Qwen3-Next under LoRA with the plan.
+GATED_NORM_HELD_OUT: list[tuple[str, int | None, int, dict[str, Any]]] = [
+    ("qwen3.5-0.8b", None, 2, {"precision": "amp-bf16"}),
+    ("qwen3.5-35b-a3b", 4, 2, {}),
+    ("qwen3-next-80b-a3b-instruct", 4, 2, LORA),
+]
+
+
 def _spec(model: str, layers: int | None) -> Any:
     spec = resolve_model(model)
     return spec if layers is None else with_layers(spec, layers)
@@ -127,10 +137,15 @@ def gated_norm_runs(gpu: Any) -> list[tuple[Any, Any]]:
     return advised_runs(GATED_NORM_CASES, "auto", gpu)
 
 
+def gated_norm_held_out_runs(gpu: Any) -> list[tuple[Any, Any]]:
+    return advised_runs(GATED_NORM_HELD_OUT, "auto", gpu)
+
+
 SETUP_SETS = {
     "families": runs,
     "recomputed-moe": recomputed_moe_runs,
     "gated-norm": gated_norm_runs,
+    "gated-norm-held-out": gated_norm_held_out_runs,
 }
 
 
