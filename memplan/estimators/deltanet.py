@@ -85,13 +85,16 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     fixed += [FP32 * nv * dk * padded] * 3  # key, scaled query, k * beta
     fixed += [FP32 * nv * padded] * 3 + [FP32 * nv * batch * c]  # decays, chunk decay
     fixed += [CHUNK * CHUNK]  # the bool mask
-    fixed += [FP32 * nv * CHUNK * padded] * 5  # 64 x 64 per chunk
-    fixed += [FP32 * nv * dv * padded, FP32 * nv * dk * padded]  # the solves' results
-    # the decayed key where a later chunk or the cached final state reads it, the decayed
-    # query where a chunk reads a state that needs a gradient (from the second chunk on)
-    fixed += [FP32 * nv * dk * padded] * ((c > 1 or cached) + (c > 1))
-    fixed += [FP32 * nv * dk * dv * batch * c]  # a state per chunk
-    fixed += [FP32 * nv * dv * padded]  # v_new
+    if d.autocast:
+        fixed += chunk_matmuls_under_autocast(ctx, cached)
+    else:
+        fixed += [FP32 * nv * CHUNK * padded] * 5  # 64 x 64 per chunk
+        fixed += [FP32 * nv * dv * padded, FP32 * nv * dk * padded]  # the solves' results
+        # the decayed key where a later chunk or the cached final state reads it, the decayed
+        # query where a chunk reads a state that needs a gradient (from the second chunk on)
+        fixed += [FP32 * nv * dk * padded] * ((c > 1 or cached) + (c > 1))
+        fixed += [FP32 * nv * dk * dv * batch * c]  # a state per chunk
+        fixed += [FP32 * nv * dv * padded]  # v_new
     if fp32_views and seq % CHUNK == 0:
         fixed += [FP32 * nv * dk * padded] * 4  # strided operands the chunk matmuls copy
     for nbytes in fixed:
@@ -109,6 +112,31 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
         gate = FP32 * (conv + v) if fp32_views and z_keeps_qkvz else FP32 * v
         out.add_each("delta.norm", gate, FP32 * v)
     out.add("delta.out", p * v * trained)
+
+
+def chunk_matmuls_under_autocast(ctx: LayerContext, cached: bool) -> list[int]:
+    """What the chunked rule keeps of its matmuls under autocast, which casts their fp32
+    operands (a new cast each time) and returns bf16: the 64 x 64 decay and the triangular
+    system in fp32; the two intra-chunk products in bf16 (their products with the decay keep
+    them) and the casts of k * beta, q and k twice; the solves' fp32 results; the fp32 state per
+    chunk. Then each chunk's casts: the intra-chunk attention and v_new for their product; the
+    state twice (its products with k_cumdecay and q, from the zero state on); k_cumdecay and q
+    from the second chunk on (where the state needs a gradient); k and v_new for the state's
+    update where a later chunk or the cached final state reads it."""
+    spec, p = ctx.spec, ctx.dtypes.proj
+    batch, c = ctx.setup.batch, chunks(ctx.seq)
+    nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+    padded = CHUNK * batch * c
+    keys, values, squares = nv * dk * padded, nv * dv * padded, nv * CHUNK * padded
+    state = nv * dk * dv * batch
+    out = [FP32 * squares] * 2 + [p * squares] * 2 + [p * keys] * 4
+    out += [FP32 * values, FP32 * keys, FP32 * state * c]
+    updates = c - 1 + cached
+    for chunk in range(c):
+        later = chunk > 0
+        out += [p * squares // c, p * values // c, p * state, p * state]
+        out += [p * keys // c] * (2 * later) + [p * keys // c, p * values // c] * (chunk < updates)
+    return out
 
 
 def deltanet_cache_bytes(ctx: LayerContext) -> list[int]:
