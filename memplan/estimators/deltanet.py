@@ -119,7 +119,7 @@ def chunk_matmuls_under_autocast(ctx: LayerContext, cached: bool) -> list[int]:
     operands (a new cast each time) and returns bf16: the 64 x 64 decay and the triangular
     system in fp32; the two intra-chunk products in bf16 (their products with the decay keep
     them) and the casts of k * beta, q and k twice; the solves' fp32 results; the fp32 state per
-    chunk. Then each chunk's casts: the intra-chunk attention and v_new for their product; the
+    chunk. Then the chunks' casts: the intra-chunk attention and v_new for their product; the
     state twice (its products with k_cumdecay and q, from the zero state on); k_cumdecay and q
     from the second chunk on (where the state needs a gradient); k and v_new for the state's
     update where a later chunk or the cached final state reads it."""
@@ -131,12 +131,12 @@ def chunk_matmuls_under_autocast(ctx: LayerContext, cached: bool) -> list[int]:
     state = nv * dk * dv * batch
     out = [FP32 * squares] * 2 + [p * squares] * 2 + [p * keys] * 4
     out += [FP32 * values, FP32 * keys, FP32 * state * c]
+    # the chunks' casts summed by kind: one allocation a chunk would make a long sequence's walk
+    # as long as its chunks are many
     updates = c - 1 + cached
-    for chunk in range(c):
-        later = chunk > 0
-        out += [p * squares // c, p * values // c, p * state, p * state]
-        out += [p * keys // c] * (2 * later) + [p * keys // c, p * values // c] * (chunk < updates)
-    return out
+    out += [p * squares, p * values, p * state * c, p * state * c]
+    out += [p * keys // c * (c - 1)] * 2 + [p * keys // c * updates, p * values // c * updates]
+    return [n for n in out if n]
 
 
 def deltanet_cache_bytes(ctx: LayerContext) -> list[int]:
