@@ -188,6 +188,8 @@ EXTRA_VARIANTS = [
     ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS}),
     ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS, "precision": "amp-bf16"}),
     ("qwen3_next", {}, {"kernels": LAYER_KERNELS}),
+    # as many key as value heads: the gated norm's saved gate is a view of in_proj_qkvz's output
+    ("qwen3_next", {"linear_num_value_heads": 4}, {"kernels": LAYER_KERNELS}),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 512, "use_cache": True}, {}),
     (
         "smollm3",
