@@ -183,13 +183,6 @@ EXTRA_VARIANTS = [
         {},
         {"grad_checkpointing": True, "lora_rank": 16, "lora_targets": ("q_proj", "v_proj")},
     ),
-    # memplan's gated RMSNorm in the DeltaNet (with the norm, GLU and embedding kernels): in
-    # bf16, under autocast (its fp32 weight), and with Qwen3-Next's fused projections
-    ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS}),
-    ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS, "precision": "amp-bf16"}),
-    ("qwen3_next", {}, {"kernels": LAYER_KERNELS}),
-    # as many key as value heads: the gated norm's saved gate is a view of in_proj_qkvz's output
-    ("qwen3_next", {"linear_num_value_heads": 4}, {"kernels": LAYER_KERNELS}),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 512, "use_cache": True}, {}),
     (
         "smollm3",
@@ -247,6 +240,13 @@ EXTRA_VARIANTS = [
     # experts' backward (grouped_experts.experts_backward_start)
     ("qwen3_moe", QWEN3_MOE_HEAVY, {"grad_checkpointing": True}),
     ("glm4_moe", GLM4_MOE_HEAVY, {"grad_checkpointing": True, **LORA_QV}),
+    # memplan's gated RMSNorm in the DeltaNet (with the norm, GLU and embedding kernels): in
+    # bf16, under autocast (its fp32 weight), and with Qwen3-Next's fused projections
+    ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS}),
+    ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS, "precision": "amp-bf16"}),
+    ("qwen3_next", {}, {"kernels": LAYER_KERNELS}),
+    # as many key as value heads: the gated norm's saved gate is a view of in_proj_qkvz's output
+    ("qwen3_next", {"linear_num_value_heads": 4}, {"kernels": LAYER_KERNELS}),
 ]
 
 
