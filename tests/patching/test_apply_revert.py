@@ -164,6 +164,16 @@ def test_unexpected_layout_is_reported_before_anything_changes():
     assert instance_forwards(model) == {}
 
 
+def test_a_gated_norm_with_another_activation_is_refused_before_anything_changes():
+    """The gated RMSNorm kernel gates with SiLU: a DeltaNet norm set to another activation is
+    reported, and the model is left as it was."""
+    model = build("qwen3_5_text")
+    model.model.layers[0].linear_attn.norm.activation = "gelu"
+    with pytest.raises(MemplanError, match=r"layers\.0\.linear_attn\.norm .*'gelu', not silu"):
+        mp.apply(model)
+    assert instance_forwards(model) == {}
+
+
 def test_unsupported_architecture_names_the_supported_ones():
     from transformers import GPT2Config, GPT2LMHeadModel
 
