@@ -143,7 +143,8 @@ def test_the_analytic_stream_reserves_what_qwen3_5_reserved(
 
 
 # Six cases away from the edge, measured on an H100 after their predictions were committed
-# (benchmarks/measure_held_out.py): none of the walk's per-op temporaries was found on them.
+# (benchmarks/measure_families.py --setups held-out): none of the walk's per-op temporaries was
+# found on them.
 HELD_OUT_H100 = Path(__file__).parents[1] / "benchmarks" / "results_held_out_h100.json"
 
 

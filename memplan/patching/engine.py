@@ -54,6 +54,8 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, str]] = {
     "flce": ("memplan.kernels.fused_linear_cross_entropy", "fused_linear_cross_entropy"),
     "embedding": ("memplan.kernels.embedding", "embedding"),
 }
+# The gated DeltaNet's norm, patched with the rms_norm kernel (PatchSpec.gated_norm).
+GATED_NORM_FUNCTION = ("memplan.kernels.gated_rms_norm", "gated_rms_norm")
 
 
 @dataclass(frozen=True)
@@ -386,8 +388,9 @@ def _gelu_approximation(mlp: nn.Module, activation: str) -> str:
     raise ValueError(f"its act_fn ({type(act_fn).__name__}) is neither exact nor tanh GELU")
 
 
-def load_kernel(name: str) -> Callable[..., Any]:
-    module_name, attr = KERNEL_FUNCTIONS[name]
+def load_kernel(name: str, function: tuple[str, str] | None = None) -> Callable[..., Any]:
+    """Kernel `name`'s function (KERNEL_FUNCTIONS), or another (module, attribute) of it."""
+    module_name, attr = function or KERNEL_FUNCTIONS[name]
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -527,6 +530,9 @@ def _plan_targets(
         hf_model, tuple(k for k in ("cross_entropy", "flce") if k in chosen)
     )
     embedding = _token_embedding(hf_model, spec) if "embedding" in chosen else None
+    gated_norm = None
+    if "rms_norm" in chosen and spec.gated_norm is not None:
+        gated_norm = load_kernel("rms_norm", GATED_NORM_FUNCTION)
     targets: list[_Target] = []
     for name, module in hf_model.named_modules():
         cls = forwards.module_class(module).__name__
@@ -536,12 +542,11 @@ def _plan_targets(
                 handoff = handoffs.setdefault(id(module), forwards.PrenormedHandoff(module))
                 forward = forwards.norm_forward(spec.norm, functions["rms_norm"], handoff, facts)
                 targets.append(_Target(name, module, ("rms_norm",), forward))
-            elif "rms_norm" in chosen and spec.gated_norm and cls in spec.gated_norm.classes:
+            elif gated_norm is not None and cls in spec.gated_norm.classes:
                 _require(module, ("weight", spec.gated_norm.eps_attr))
                 if getattr(module, "activation", "silu") not in ("silu", "swish"):
                     raise ValueError(f"its gate's activation is {module.activation!r}, not silu")
-                gated = importlib.import_module("memplan.kernels.gated_rms_norm").gated_rms_norm
-                forward = forwards.gated_norm_forward(spec.gated_norm, gated, facts)
+                forward = forwards.gated_norm_forward(spec.gated_norm, gated_norm, facts)
                 targets.append(_Target(name, module, ("rms_norm",), forward))
             elif "rope" in chosen and cls in spec.attention.classes:
                 needed = ["config", "head_dim", "scaling", "layer_idx", "o_proj"]
