@@ -177,8 +177,7 @@ BACKWARD_STAGES = 3
 
 def _backward_config(n_rows: int, n_cols: int, sms: int) -> NormBackwardConfig:
     """The RMSNorm's backward launch with half its rows a tile, with BACKWARD_STAGES: at rows of
-    128 (the DeltaNet's value head dim) 17% faster than the RMSNorm's own on an H100
-    (docs/bench_kernels.md)."""
+    128 (the DeltaNet's value head dim) faster than the RMSNorm's own (docs/bench_kernels.md)."""
     base = norm_backward_config(n_rows, n_cols, sms, "rms_norm")
     rows = max(1, base.rows // 2)
     per_sm = 2 if rows * base.block_n <= 4096 else 1
