@@ -555,17 +555,7 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
         if case.record_allocator_trace:
             _start_allocator_trace()
         try:
-            rec["oom_phase"] = "the model build"
-            model, vocab = _build_model(case, rec)
-            rec["oom_phase"] = "the optimizer or input setup"
-            trainer = _Trainer(case, model, vocab)
-            rec["n_trainable"] = trainer.n_trainable
-            if trainer.engine is not None:  # what the engine keeps of the model it partitioned
-                rec["after_model_bytes"] = _allocated()
-            if case.mode == "profile":
-                _profile(case, trainer, rec)
-            else:
-                _measure(case, trainer, rec)
+            _build_and_step(case, rec)
         except _Failure:
             raise
         except Exception as exc:
@@ -595,6 +585,22 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
     if case.setup.strategy is not None:
         distributed.destroy_process_group()
     return Measurement.model_validate(rec), code
+
+
+def _build_and_step(case: VerifyCase, rec: dict[str, Any]) -> None:
+    """Build the model and run the case's steps; the model, and a DDP reducer's hold on the
+    process group, are gone when this returns, before the group is destroyed."""
+    rec["oom_phase"] = "the model build"
+    model, vocab = _build_model(case, rec)
+    rec["oom_phase"] = "the optimizer or input setup"
+    trainer = _Trainer(case, model, vocab)
+    rec["n_trainable"] = trainer.n_trainable
+    if trainer.engine is not None:  # what the engine keeps of the model it partitioned
+        rec["after_model_bytes"] = _allocated()
+    if case.mode == "profile":
+        _profile(case, trainer, rec)
+    else:
+        _measure(case, trainer, rec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -250,12 +250,25 @@ def test_strategies_run_as_accelerate_prepares_them(fake_cuda, setup):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    prepared = []
     real_prepare = worker.distributed.prepare
+    seen = {}
 
     def spy(model, *args):
-        prepared.append(real_prepare(model, *args))
-        return prepared[-1]
+        # what the test checks, read at prepare time: holding the module would keep a DDP
+        # reducer, and its process group, alive past the group's destruction
+        prepared = real_prepare(model, *args)
+        seen["ddp"] = isinstance(prepared, torch.nn.parallel.DistributedDataParallel)
+        seen["groups"] = [n for n, m in prepared.named_modules() if isinstance(m, FSDPModule)]
+        if seen["groups"]:
+            seen["rows"] = prepared.lm_head.weight.to_local().shape[0]
+            seen["offloaded"] = {
+                p.offload_to_cpu
+                for m in prepared.modules()
+                if isinstance(m, FSDPModule)
+                for g in m._get_fsdp_state()._fsdp_param_groups
+                for p in g.fsdp_params
+            }
+        return prepared
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(worker.distributed, "prepare", spy)
@@ -263,12 +276,10 @@ def test_strategies_run_as_accelerate_prepares_them(fake_cuda, setup):
     assert code == protocol.EXIT_OK, m.error
     assert m.status == "ok" and m.loss is not None and m.env["world_size"] == str(setup["gpus"])
     assert not dist.is_initialized()
-    model = prepared[0]
     if setup["strategy"] == "fsdp2":
-        groups = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
         # accelerate's wrapping: each decoder layer, the tail [norm, lm_head] (with the tied
         # embedding), then the root
-        assert groups == [
+        assert seen["groups"] == [
             "",
             "model.embed_tokens",
             "model.layers.0",
@@ -276,18 +287,10 @@ def test_strategies_run_as_accelerate_prepares_them(fake_cuda, setup):
             "model.norm",
             "lm_head",
         ]
-        rows = TINY_LLAMA["vocab_size"] // setup["gpus"]
-        assert model.lm_head.weight.to_local().shape[0] == rows
-        offloaded = {
-            p.offload_to_cpu
-            for m in model.modules()
-            if isinstance(m, FSDPModule)
-            for g in m._get_fsdp_state()._fsdp_param_groups
-            for p in g.fsdp_params
-        }
-        assert offloaded == {setup.get("cpu_offload", False)}
+        assert seen["rows"] == TINY_LLAMA["vocab_size"] // setup["gpus"]
+        assert seen["offloaded"] == {setup.get("cpu_offload", False)}
     else:
-        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        assert seen["ddp"] and not seen["groups"]
 
 
 def test_zero_is_measured_over_real_ranks_only(fake_cuda):
