@@ -4,7 +4,7 @@ and LoRA or checkpointing), and sets of one run a case (recomputed MoE, the gate
 cases away from the edge: docs/fit_verdict.md).
 
     python benchmarks/measure_families.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups families|recomputed-moe|gated-norm|gated-norm-held-out|held-out]
+        [--setups families|recomputed-moe|gated-norm|gated-norm-held-out|held-out|fla]
     python benchmarks/measure_families.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_families.py table PREDICTIONS.json RESULTS.json
 
@@ -36,6 +36,8 @@ from memplan.verify.predict import with_layers  # noqa: E402
 SEQ = 2048
 LORA = {"lora_rank": 16}
 CHECKPOINTING = {"grad_checkpointing": True}
+# transformers' torch fallback for the gated DeltaNet, wherever the predictions are written
+TORCH_RULE = {"deltanet_kernels": "torch"}
 LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # One run a case: (catalog model, decoder layers kept (None: all), batch, kernels, options).
 Case = tuple[str, int | None, int, str, dict[str, Any]]
@@ -108,6 +110,21 @@ GATED_NORM_HELD_OUT: list[Case] = [
 ]
 
 
+# The gated DeltaNet families where flash-linear-attention runs the chunked delta rule (the
+# causal conv1d stays in torch): Hugging Face as it is, the plan, LoRA (q, v) with it,
+# checkpointed with it, and under autocast; Qwen3.5-MoE and Qwen3-Next cut to four layers.
+FLA = {"deltanet_kernels": "fla"}
+FLA_CASES: list[Case] = [
+    ("qwen3.5-0.8b", None, 4, "none", FLA),
+    ("qwen3.5-0.8b", None, 4, "auto", FLA),
+    ("qwen3.5-0.8b", None, 4, "auto", {**FLA, **LORA}),
+    ("qwen3.5-0.8b", None, 8, "auto", {**FLA, **CHECKPOINTING}),
+    ("qwen3.5-0.8b", None, 2, "auto", {**FLA, "precision": "amp-bf16"}),
+    ("qwen3.5-35b-a3b", 4, 3, "auto", FLA),
+    ("qwen3-next-80b-a3b-instruct", 4, 3, "auto", FLA),
+]
+
+
 # Away from the edge, on cases none of the analytic walk's per-op temporaries were found on:
 # LoRA, eager attention, autocast, checkpointing and fp32 on models and sizes none of the fixes
 # used (the analytic stream's reserved peak, what advise prints there, out of sample).
@@ -131,7 +148,7 @@ def runs(gpu: Any) -> list[tuple[Any, Any]]:
     for model, layers, batch, options in FAMILY_CASES:
         spec = _spec(model, layers)
         for kernels, extra in (("none", {}), ("auto", {}), ("none", options)):
-            setup = advise(spec, batch, SEQ, gpu=gpu, kernels=kernels, **extra).setup
+            setup = advise(spec, batch, SEQ, gpu=gpu, kernels=kernels, **TORCH_RULE, **extra).setup
             out.append((spec, setup))
     return out
 
@@ -141,6 +158,7 @@ def advised_runs(cases: list[Case], gpu: Any) -> list[tuple[Any, Any]]:
     out = []
     for model, layers, batch, kernels, options in cases:
         spec = _spec(model, layers)
+        options = {**TORCH_RULE, **options}
         out.append((spec, advise(spec, batch, SEQ, gpu=gpu, kernels=kernels, **options).setup))
     return out
 
@@ -150,6 +168,7 @@ CASE_SETS = {
     "gated-norm": GATED_NORM_CASES,
     "gated-norm-held-out": GATED_NORM_HELD_OUT,
     "held-out": HELD_OUT,
+    "fla": FLA_CASES,
 }
 SETUP_SETS = {
     "families": runs,

@@ -380,22 +380,35 @@ def largest_seq(
 
 
 # The packages whose kernels transformers runs for a gated DeltaNet layer in place of its
-# torch fallback, by import name.
+# torch fallback, by import name: fla's chunked delta rule (modelled: deltanet_kernels="fla")
+# and causal-conv1d's conv (not modelled).
 DELTANET_FAST_PACKAGES = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
 
 
-def deltanet_note(spec: ModelSpec) -> list[str]:
-    """Which gated DeltaNet the estimate assumes: transformers' torch fallback, and where the
-    packages whose kernels would run instead are importable here, that the estimate is not
-    theirs."""
+def installed_deltanet_kernels() -> str:
+    """Whose chunked delta rule transformers would run here: fla's where it imports."""
+    return "fla" if find_spec("fla") else "torch"
+
+
+def deltanet_note(spec: ModelSpec, setup: TrainSetup) -> list[str]:
+    """Which gated DeltaNet the estimate assumes, and where a package importable here would
+    make transformers run something else than the estimate models."""
     if not spec.linear_attention_layers:
         return []
-    note = (
-        f"{spec.model_type}'s {len(spec.linear_attention_layers)} gated DeltaNet layers are "
-        "estimated as transformers' torch fallback runs them (torch_chunk_gated_delta_rule, "
-        "the causal conv1d in torch)"
-    )
-    found = [name for module, name in DELTANET_FAST_PACKAGES.items() if find_spec(module)]
+    layers = f"{spec.model_type}'s {len(spec.linear_attention_layers)} gated DeltaNet layers"
+    if setup.deltanet_kernels == "fla":
+        note = (
+            f"{layers} are estimated as flash-linear-attention's chunk_gated_delta_rule runs "
+            "them, with the causal conv1d in torch"
+        )
+        unmodelled = ["causal_conv1d"]
+    else:
+        note = (
+            f"{layers} are estimated as transformers' torch fallback runs them "
+            "(torch_chunk_gated_delta_rule, the causal conv1d in torch)"
+        )
+        unmodelled = list(DELTANET_FAST_PACKAGES)
+    found = [DELTANET_FAST_PACKAGES[m] for m in unmodelled if find_spec(m)]
     if found:
         note += (
             f"; {' and '.join(found)} importable here: transformers runs their kernels instead, "
@@ -430,6 +443,7 @@ def advise(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     count_vision_tower: str | None = None,
+    deltanet_kernels: str | None = None,
     traced_verdict: bool = True,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on.
@@ -448,10 +462,13 @@ def advise(
     projector are left out of the estimate (None, the text model alone), counted "frozen"
     (their weights; also what a text-only batch gives a trainable tower, which gets no
     gradient) or "trained" (weights, gradients, optimizer states); Advice.vision_tower_params
-    says how many parameters they have. Sizes past memplan.limits' bounds are errors that say
-    the bound and why. `traced_verdict`: at the edge of the capacity the verdict and largest
-    batch come from the traced step's stream where it applies (memplan.edge_verdict); False,
-    or method="analytic", keeps the analytic replay everywhere (under 1 s)."""
+    says how many parameters they have. `deltanet_kernels`: whose chunked delta rule runs a
+    gated DeltaNet layer, "torch" (transformers' fallback) or "fla" (flash-linear-attention);
+    None: fla where it imports here, as transformers decides. Sizes past memplan.limits' bounds
+    are errors that say the bound and why. `traced_verdict`: at the edge of the capacity the
+    verdict and largest batch come from the traced step's stream where it applies
+    (memplan.edge_verdict); False, or method="analytic", keeps the analytic replay everywhere
+    (under 1 s)."""
     if method not in (None, "analytic", "traced"):
         raise option_error("{} must be analytic or traced, got {value!r}", "method", value=method)
     check_vision_tower_option(count_vision_tower, method, strategy, lora_rank)
@@ -554,6 +571,9 @@ def advise(
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
         count_vision_tower=count_vision_tower,
+        deltanet_kernels=installed_deltanet_kernels()
+        if deltanet_kernels is None
+        else deltanet_kernels,
     )
     warnings = []
     base, asked = as_run_by(spec.model_type, base, release), base
@@ -572,7 +592,7 @@ def advise(
     if base.cpu_offload and base.strategy is not None:
         warnings.append(offload_check(base.strategy))
     warnings += vision_tower_note(spec, count_vision_tower, DtypePlan.of(precision).param)
-    warnings += deltanet_note(spec)
+    warnings += deltanet_note(spec, base)
     if seq > spec.max_position_embeddings:
         warnings.append(
             f"seq {seq} is longer than the model's max_position_embeddings "

@@ -138,6 +138,15 @@ def cli() -> None:
     "the text model alone",
 )
 @click.option(
+    "--deltanet-kernels",
+    type=click.Choice(["auto", "torch", "fla"]),
+    default="auto",
+    show_default=True,
+    help="Qwen3.5 and Qwen3-Next: whose chunked delta rule runs the gated DeltaNet layers, "
+    "transformers' torch fallback or flash-linear-attention's kernels; auto: fla where it "
+    "imports here, as transformers decides",
+)
+@click.option(
     "--transformers",
     help="the transformers release that will run the step, e.g. 5.24.0 (default: the "
     "installed one); the prediction follows what changed between releases",
@@ -185,6 +194,7 @@ def advise(**opts: Any) -> None:
         reshard_after_forward=opts["reshard_after_forward"],
         cpu_offload=opts["cpu_offload"],
         count_vision_tower=opts["count_vision_tower"],
+        deltanet_kernels=None if opts["deltanet_kernels"] == "auto" else opts["deltanet_kernels"],
     )
     from memplan.versions import warn_if_unvalidated
 

@@ -26,6 +26,10 @@ Strategy = Literal["ddp", "fsdp2", "zero1", "zero2", "zero3"]
 # How the estimate counts a multimodal config's vision tower and projector: frozen (weights),
 # trained (weights, gradients and optimizer states), or not at all (None).
 VisionTower = Literal["frozen", "trained"]
+# Who runs a gated DeltaNet layer's chunked delta rule: transformers' torch fallback
+# (torch_chunk_gated_delta_rule) or flash-linear-attention's Triton kernels, which transformers
+# takes where the `fla` package imports.
+DeltaNetKernels = Literal["torch", "fla"]
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 # Those that shard weights, gradients or optimizer states (and can offload them to the CPU).
 SHARDING_STRATEGIES: tuple[str, ...] = ("fsdp2", "zero1", "zero2", "zero3")
@@ -349,6 +353,8 @@ class TrainSetup(BaseModel):
     # estimate: "frozen" counts their weights, "trained" their gradients and optimizer states
     # too; None leaves them out (the text model alone). Their activations are never counted.
     count_vision_tower: VisionTower | None = None
+    # Qwen3.5's and Qwen3-Next's gated DeltaNet layers: whose chunked delta rule runs them
+    deltanet_kernels: DeltaNetKernels = "torch"
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSetup:
@@ -401,6 +407,7 @@ SETUP_OPTIONS = (
     "strategy",
     "reshard_after_forward",
     "cpu_offload",
+    "deltanet_kernels",
 )
 
 

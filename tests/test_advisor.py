@@ -24,7 +24,7 @@ from memplan.errors import UsageError
 from memplan.estimators.kernel_contracts import flce_default_chunk
 from memplan.estimators.params import lora_params
 from memplan.render import gib, print_advice
-from memplan.schema import TrainSetup
+from memplan.schema import Advice, TrainSetup
 
 
 def rendered(advice, width: int = 200) -> str:
@@ -368,15 +368,27 @@ def _rendered(advice) -> str:
 def test_advice_names_the_gated_deltanet_path_it_estimates(monkeypatch):
     import memplan.advisor
 
-    def deltanet_notes() -> list[str]:
-        advice = advise("qwen3.5-0.8b", 1, 256, gpu="h100")
-        return [w for w in advice.warnings if "gated DeltaNet" in w]
+    def deltanet_advice(**options) -> tuple[list[str], Advice]:
+        advice = advise("qwen3.5-0.8b", 1, 256, gpu="h100", **options)
+        return [w for w in advice.warnings if "gated DeltaNet" in w], advice
 
     monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: None)
-    (note,) = deltanet_notes()
+    (note,), torch_rule = deltanet_advice()
     assert "18 gated DeltaNet layers" in note and "torch fallback" in note
     assert "importable" not in note
+    # where fla imports transformers runs its rule, and so does the estimate
     monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: name == "fla" or None)
-    (note,) = deltanet_notes()
+    (note,), fla_rule = deltanet_advice()
+    assert "flash-linear-attention's chunk_gated_delta_rule" in note and "importable" not in note
+    assert fla_rule.setup.deltanet_kernels == "fla"
+    assert fla_rule.estimate.peak_bytes < torch_rule.estimate.peak_bytes
+    (note,), forced = deltanet_advice(deltanet_kernels="torch")
     assert "flash-linear-attention importable here" in note
+    assert forced.estimate.peak_bytes == torch_rule.estimate.peak_bytes
+    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: True)
+    (note,), _ = deltanet_advice()
+    assert "causal-conv1d importable here" in note
+    assert "flash-linear-attention importable" not in note
+    with pytest.raises(UsageError, match="deltanet_kernels"):
+        advise("qwen3.5-0.8b", 1, 256, gpu="h100", deltanet_kernels="cuda")
     assert not [w for w in advise("llama-3.2-1b", 1, 256, gpu="h100").warnings if "DeltaNet" in w]

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from memplan.estimators.contracts import LayerContext, Saved
 
 FP32 = 4
-CHUNK = 64  # torch_chunk_gated_delta_rule's chunk_size
+CHUNK = 64  # torch_chunk_gated_delta_rule's chunk_size, and fla's
+# The entries of deltanet_saved that the chunked delta rule saves
+RULE_ENTRIES = ("delta.qk", "delta.chunk")
 
 
 def chunks(seq: int) -> int:
@@ -43,9 +45,10 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
       gradient); SiLU's input, the conv output with its K - 1 padded positions; sigmoid(b);
       the decay: softplus's fp32 input, and where A_log trains its output and exp(A_log),
       beside -exp(A_log);
-    - q and k repeated to the value heads in fp32 and their L2 norms' rsqrt (fp32 with as
+    - the chunked rule (fla_rule_saved where flash-linear-attention runs it); in torch:
+      q and k repeated to the value heads in fp32 and their L2 norms' rsqrt (fp32 with as
       many key as value heads: q and k are views of the conv output, which they keep instead);
-    - the chunked rule on padded fp32 tensors: beta and v padded; the normalized key, the scaled
+      the chunked rule on padded fp32 tensors: beta and v padded; the normalized key, the scaled
       query and k * beta; three decay tensors and the chunk decay; the 64 x 64 bool mask; five
       64 x 64 fp32 tensors per chunk; the two triangular solves' results; the decayed key and
       query where a later chunk reads the state (the key also where the cache takes the final
@@ -60,9 +63,6 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     spec, p, d = ctx.spec, ctx.dtypes.proj, ctx.dtypes
     batch, seq = ctx.setup.batch, ctx.seq
     nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
-    dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
-    c = chunks(seq)
-    padded = CHUNK * batch * c  # Tp
     conv = conv_channels(ctx)
     trained = ctx.trainable_base
     fp32_views = p == FP32 and not d.autocast
@@ -76,8 +76,37 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     out.add("delta.decay", constant=FP32 * nv * trained)
     out.add_each("delta.decay", FP32 * nv, FP32 * nv * trained)
     out.add("delta.decay", constant=FP32 * nv)
+    if ctx.setup.deltanet_kernels == "fla":
+        fla_rule_saved(ctx, out)
+    else:
+        torch_rule_saved(ctx, out, cached)
+    v = value_width(ctx)
+    # with as many key as value heads Qwen3-Next's z is a view of the whole in_proj_qkvz
+    # output, which a saved z keeps
+    z_keeps_qkvz = nk == nv and fused_deltanet(spec)
+    if "rms_norm" in ctx.kernels:  # memplan's gated RMSNorm: x, the gate z and rstd per head
+        out.add_each("delta.norm", p * v, p * (conv + v) if z_keeps_qkvz else p * v, FP32 * nv)
+    else:
+        product = FP32 if d.autocast else p
+        out.add_each("delta.norm", FP32 * v, FP32 * nv, p * v * trained, product * v)
+        # the fp32 gate z (a view where it is in fp32 already)
+        gate = FP32 * (conv + v) if fp32_views and z_keeps_qkvz else FP32 * v
+        out.add_each("delta.norm", gate, FP32 * v)
+    out.add("delta.out", p * v * trained)
+
+
+def torch_rule_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
+    """What transformers' torch_chunk_gated_delta_rule saves: the L2-normalized q and k (fp32)
+    and the chunked rule's padded fp32 tensors (deltanet_saved's docstring lists them)."""
+    spec, p, d = ctx.spec, ctx.dtypes.proj, ctx.dtypes
+    batch, seq = ctx.setup.batch, ctx.seq
+    nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
+    dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
+    c = chunks(seq)
+    padded = CHUNK * batch * c
+    fp32_views = p == FP32 and not d.autocast
     if fp32_views and nk == nv:
-        out.add("delta.qk", p * conv)  # q and k are views of the conv's SiLU output
+        out.add("delta.qk", p * conv_channels(ctx))  # q and k are views of the conv's SiLU output
         out.add_each("delta.qk", FP32 * nv, FP32 * nv)
     else:
         out.add_each("delta.qk", FP32 * nv * dk, FP32 * nv, FP32 * nv * dk, FP32 * nv)
@@ -99,19 +128,19 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
         fixed += [FP32 * nv * dk * padded] * 4  # strided operands the chunk matmuls copy
     for nbytes in fixed:
         out.add("delta.chunk", constant=nbytes)
-    v = nv * dv
-    # with as many key as value heads Qwen3-Next's z is a view of the whole in_proj_qkvz
-    # output, which a saved z keeps
-    z_keeps_qkvz = nk == nv and fused_deltanet(spec)
-    if "rms_norm" in ctx.kernels:  # memplan's gated RMSNorm: x, the gate z and rstd per head
-        out.add_each("delta.norm", p * v, p * (conv + v) if z_keeps_qkvz else p * v, FP32 * nv)
-    else:
-        product = FP32 if d.autocast else p
-        out.add_each("delta.norm", FP32 * v, FP32 * nv, p * v * trained, product * v)
-        # the fp32 gate z (a view where it is in fp32 already)
-        gate = FP32 * (conv + v) if fp32_views and z_keeps_qkvz else FP32 * v
-        out.add_each("delta.norm", gate, FP32 * v)
-    out.add("delta.out", p * v * trained)
+
+
+def fla_rule_saved(ctx: LayerContext, out: Saved) -> None:
+    """What flash-linear-attention's ChunkGatedDeltaRuleFunction saves (fla 0.6, called as
+    transformers calls it, use_qk_l2norm_in_kernel): v's contiguous copy (v is a view of the
+    transposed conv output), q and k L2-normalized with their fp32 rstd, the decay's fp32
+    chunk-local cumsum, and the solved 64 x 64 triangular blocks A per token, in the inputs'
+    dtype; beta is the sigmoid's output, which sigmoid saves already. Nothing is padded."""
+    spec, p = ctx.spec, ctx.dtypes.proj
+    nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+    out.add("delta.chunk", p * nv * dv)
+    out.add_each("delta.qk", p * nv * dk, FP32 * nv, p * nv * dk, FP32 * nv)
+    out.add_each("delta.chunk", FP32 * nv, p * nv * CHUNK)
 
 
 def chunk_matmuls_under_autocast(ctx: LayerContext, cached: bool) -> list[int]:
@@ -149,16 +178,36 @@ def deltanet_cache_bytes(ctx: LayerContext) -> list[int]:
     return [conv, state * spec.linear_key_head_dim * spec.linear_value_head_dim]
 
 
-def deltanet_forward_peak(ctx: LayerContext, layer_saved: list[int], tokens: int) -> list[int]:
+def deltanet_forward_peak(
+    ctx: LayerContext, layer_saved: list[int], rule_saved: list[int], tokens: int
+) -> list[int]:
     """What one gated DeltaNet layer's forward holds at its high point beyond the layer's
-    start, tensor by tensor, as the traced step shows it (not read off autograd: an estimate).
-    Recording the graph, the high point comes after the chunked rule, with everything the layer
-    saves (`layer_saved`, each tensor, the MLP's included: as one block it would take a segment
-    of its own in the allocator model, which no tensor of the step reuses) and the residual
-    pair alive; in a checkpointed layer's graph-free forward, the padded fp32 q, k, v and beta,
-    two 64 x 64 fp32 tensors per chunk and the residual pair."""
+    start, tensor by tensor (not read off autograd: an estimate). `layer_saved`: each tensor the
+    layer saves, the MLP's included; `rule_saved`: those saved up to the chunked rule's.
+
+    torch's rule: recording the graph, the high point comes after the chunked rule, with
+    everything the layer saves (each tensor: as one block it would take a segment of its own in
+    the allocator model, which no tensor of the step reuses) and the residual pair alive, as the
+    traced step shows it; in a checkpointed layer's graph-free forward, the padded fp32 q, k, v
+    and beta, two 64 x 64 fp32 tensors per chunk and the residual pair. fla's rule: its own
+    high point (fla_rule_transient) where that is above the layer's end."""
     spec, d = ctx.spec, ctx.dtypes
     pair = [tokens * d.residual * spec.hidden_size] * 2
+    if ctx.setup.deltanet_kernels == "fla":
+        nv, dk, dv = (
+            spec.linear_num_value_heads,
+            spec.linear_key_head_dim,
+            spec.linear_value_head_dim,
+        )
+        held = fla_rule_transient(ctx, tokens)
+        if ctx.setup.grad_checkpointing:  # what the rule saves is its transient here
+            p = d.proj
+            rule = [p * nv * dv, p * nv * dk, FP32 * nv, p * nv * dk, FP32 * nv, FP32 * nv]
+            rule += [p * nv * CHUNK]
+            return [tokens * n for n in rule] + held + pair
+        at_rule = [*rule_saved, *held, *pair]
+        at_end = [*layer_saved, *pair]
+        return at_rule if sum(at_rule) > sum(at_end) else at_end
     if not ctx.setup.grad_checkpointing:
         return [*layer_saved, *pair]
     nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
@@ -167,10 +216,43 @@ def deltanet_forward_peak(ctx: LayerContext, layer_saved: list[int], tokens: int
     return [rule, *pair]
 
 
+def fla_states(ctx: LayerContext) -> int:
+    """fla's recurrent state at each chunk's start (h), in the inputs' dtype."""
+    spec = ctx.spec
+    heads = spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim
+    return ctx.dtypes.proj * ctx.setup.batch * chunks(ctx.seq) * heads
+
+
+def fla_rule_transient(ctx: LayerContext, tokens: int) -> list[int]:
+    """What the layer holds at fla's forward high point (chunk_fwd_o's output) beside what it
+    saves: the SiLU output the q, k and v views keep, z, contiguous q and k (fla's copies of
+    those views, or the heads transformers repeated), the fp32 decay g, then fla's w, u, the
+    state per chunk, v_new and the output."""
+    spec, p = ctx.spec, ctx.dtypes.proj
+    nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+    per_token = [p * conv_channels(ctx), p * value_width(ctx), p * nv * dk, p * nv * dk]
+    per_token += [FP32 * nv, p * nv * dk, p * nv * dv]
+    out = [tokens * n for n in per_token]
+    return [*out, fla_states(ctx), tokens * p * nv * dv, tokens * p * nv * dv]
+
+
 def deltanet_backward_transient(ctx: LayerContext, tokens: int) -> list[int]:
-    """An estimate of what one gated DeltaNet layer's backward holds beside its saved tensors
-    and its weights' gradients: the gradients of the conv's output and of z, in the
+    """What one gated DeltaNet layer's backward holds beside its saved tensors and its weights'
+    gradients at its high point.
+
+    torch's rule, an estimate: the gradients of the conv's output and of z, in the
     projections' dtype (the traced step's DeltaNet backward stays below the MLP's backward
-    before it)."""
+    before it). fla's rule, at prepare_wy_repr_bwd's outputs: the output's and z's gradients;
+    the recomputed w, u, states and v_new; dh (a state per chunk), dv; dq, dk, dw and the fp32
+    dg (one per 128-wide block of the key dim); dk2, dv, db and the fp32 dg2."""
     p = ctx.dtypes.proj
-    return [tokens * p * conv_channels(ctx), tokens * p * value_width(ctx)]
+    if ctx.setup.deltanet_kernels != "fla":
+        return [tokens * p * conv_channels(ctx), tokens * p * value_width(ctx)]
+    spec = ctx.spec
+    nv, dk = spec.linear_num_value_heads, spec.linear_key_head_dim
+    keys, values = tokens * p * nv * dk, tokens * p * value_width(ctx)
+    states = fla_states(ctx)
+    dg = tokens * FP32 * nv * -(-dk // 128)
+    out = [values, values, keys, values, states, values, states, values]
+    out += [keys, keys, keys, dg, keys, values, tokens * p * nv, tokens * FP32 * nv]
+    return out

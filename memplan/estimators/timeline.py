@@ -47,6 +47,7 @@ from memplan.estimators.contracts import (
     walked_tensor_by_tensor,
 )
 from memplan.estimators.deltanet import (
+    RULE_ENTRIES,
     deltanet_backward_transient,
     deltanet_cache_bytes,
     deltanet_forward_peak,
@@ -250,6 +251,13 @@ def saved_allocations(
         if name.startswith(prefixes) == matching
     )
     return [n for n in sizes if n > 0]
+
+
+def rule_saved(ctx: LayerContext) -> Saved:
+    """What a gated DeltaNet layer saves up to its chunked rule's last saved tensor."""
+    saved = layer_saved(ctx)
+    rule = [i for i, (name, _, _) in enumerate(saved.tensors) if name.startswith(RULE_ENTRIES)]
+    return Saved(tensors=saved.tensors[: rule[-1] + 1] if rule else [])
 
 
 def saved_names(
@@ -816,6 +824,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             deltanet_forward_peak(
                 ctx,
                 [round_block(n) for n in saved_allocations(layer_saved(ctx), tokens, ())],
+                [round_block(n) for n in saved_allocations(rule_saved(ctx), tokens, ())],
                 tokens,
             )
             if ctx.spec.deltanet

@@ -30,10 +30,11 @@ TRACED_KERNELS = frozenset({"rms_norm", "rope", "swiglu", "geglu", "flce", "embe
 
 def decides(setup: TrainSetup) -> bool:
     """Whether the traced stream decides this setup's verdict: one GPU, memplan kernels among
-    TRACED_KERNELS only, an optimizer the trace models (the analytic verdict stands
-    otherwise)."""
+    TRACED_KERNELS only, an optimizer the trace models, transformers' own gated DeltaNet (fla's
+    Triton kernels do not run on meta tensors); the analytic verdict stands otherwise."""
     return (
-        TRACED_KERNELS.issuperset(setup.kernels)
+        setup.deltanet_kernels == "torch"
+        and TRACED_KERNELS.issuperset(setup.kernels)
         and setup.strategy is None
         and setup.gpus == 1
         and setup.optimizer in TRACEABLE_OPTIMIZERS

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import importlib.util
 import platform
 import sys
 import time
@@ -94,6 +95,7 @@ def _check_gpu(rec: dict[str, Any]) -> None:
         "cuda": str(torch.version.cuda),
         "transformers": transformers.__version__,
         "triton": _version("triton"),
+        "flash-linear-attention": _version("fla-core"),
         "memplan": memplan.__version__,
         "python": platform.python_version(),
     }
@@ -198,6 +200,27 @@ def _allocated() -> int:
 
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated()
+
+
+def _check_deltanet_kernels(case: VerifyCase) -> None:
+    """The gated DeltaNet the case asks is the one transformers will run here: fla's kernels
+    where the `fla` package imports, the torch fallback where it does not."""
+    from memplan.errors import MemplanError
+    from memplan.verify.predict import spec_from_hf_config
+
+    try:
+        spec = spec_from_hf_config({"model_type": case.model_type, **case.hf_config}, case.model)
+    except MemplanError:
+        return
+    fla = importlib.util.find_spec("fla") is not None
+    if not spec.linear_attention_layers or fla == (case.setup.deltanet_kernels == "fla"):
+        return
+    here = "imports" if fla else "does not import"
+    message = (
+        f"the case asks deltanet_kernels={case.setup.deltanet_kernels} but flash-linear-attention "
+        f"{here} here, so transformers would run the other chunked delta rule"
+    )
+    raise _Failure("build", message, protocol.EXIT_BUILD)
 
 
 def _param_count(case: VerifyCase) -> int | None:
@@ -547,6 +570,7 @@ def run(case: VerifyCase) -> tuple[Measurement, int]:
     try:
         distributed.select_device(DEVICE)
         _check_gpu(rec)
+        _check_deltanet_kernels(case)
         if case.setup.strategy is not None:
             try:
                 distributed.init_process_group(case.setup, DEVICE)

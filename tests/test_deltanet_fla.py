@@ -1,0 +1,63 @@
+"""flash-linear-attention's chunked delta rule (deltanet_kernels="fla") on a CUDA GPU: in one
+forward of the Hugging Face model, the bytes autograd saves equal the contracts'. Forwards only:
+on Hopper with Triton 3.4 to 3.7.0 fla refuses one of its backward kernels."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from memplan.catalog import spec_from_config
+from memplan.estimators.timeline import forward_saved
+from memplan.schema import TrainSetup
+from tests.test_estimator_contracts import PROBE, family_overrides
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+        reason="needs a CUDA GPU and flash-linear-attention",
+    ),
+]
+
+# As many key as value heads of 128 (Qwen3.5-0.8B's shape): fla copies the q and k views
+SQUARE_HEADS = {
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "amp-bf16"])
+@pytest.mark.parametrize("seq", [64, 200])
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [("qwen3_5_text", {}), ("qwen3_5_text", SQUARE_HEADS), ("qwen3_next", {})],
+    ids=["qwen3_5_text", "qwen3_5_text-square", "qwen3_next"],
+)
+def test_saved_bytes_match_the_contract(model_type, extra, seq, precision, saved_storage_bytes):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**family_overrides(model_type), **extra})
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).cuda().train()
+    ids = torch.randint(0, config.vocab_size, (PROBE["batch"], seq), device="cuda")
+
+    def forward() -> object:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision.startswith("amp")):
+            return model(input_ids=ids, labels=ids)
+
+    measured = saved_storage_bytes(forward, model)
+    spec = spec_from_config(config.to_dict())
+
+    def predicted(rule: str) -> int:
+        setup = TrainSetup(
+            batch=PROBE["batch"], seq=seq, precision=precision, deltanet_kernels=rule
+        )
+        return forward_saved(spec, setup, backend="cuda", rounded=False).total
+
+    assert predicted("torch") != measured  # transformers took fla's rule
+    assert predicted("fla") == measured
