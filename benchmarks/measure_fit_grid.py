@@ -4,7 +4,7 @@ a fresh process under the measurement protocol; did it run or run out of memory 
 and how close is the predicted reserved peak.
 
     python benchmarks/measure_fit_grid.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups grid|held-out|new-families|held-out-2|gated-norm]
+        [--setups grid|held-out|new-families|held-out-2|gated-norm|fla]
     python benchmarks/measure_fit_grid.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_fit_grid.py table PREDICTIONS.json RESULTS.json
 
@@ -92,12 +92,19 @@ GATED_NORM: list[tuple[str, str, dict[str, Any]]] = [
     ("qwen3.5-0.8b", "auto", {}),
     ("qwen3.5-0.8b", "auto", {"lora_rank": 16}),
 ]
+# The same with flash-linear-attention running the DeltaNet's chunked delta rule: the analytic
+# verdict decides (the traced step cannot run fla's kernels on meta tensors).
+FLA: list[tuple[str, str, dict[str, Any]]] = [
+    ("qwen3.5-0.8b", "auto", {"deltanet_kernels": "fla"}),
+    ("qwen3.5-0.8b", "auto", {"deltanet_kernels": "fla", "lora_rank": 16}),
+]
 SETUP_SETS = {
     "grid": SETUPS,
     "held-out": HELD_OUT,
     "new-families": NEW_FAMILIES,
     "held-out-2": HELD_OUT_2,
     "gated-norm": GATED_NORM,
+    "fla": FLA,
 }
 SEQ = 2048
 # Below this many sequences a batch step moves the peak too far: the edge is found in the
@@ -109,6 +116,7 @@ def edge_cases(model: str, kernels: str, options: dict[str, Any], gpu_name: str)
     """The largest batch advise gives (or, where a batch step is coarse, its largest sequence)
     and one more, each with the verdict advise prints for it: what a user would act on."""
     spec, gpu = resolve_model(model), resolve_gpu(gpu_name)
+    options = {"deltanet_kernels": "torch", **options}  # not whichever imports where it runs
 
     def advised(batch: int, seq: int) -> Any:
         return advise(spec, batch, seq, gpu=gpu, kernels=kernels, **options)
