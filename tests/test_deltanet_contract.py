@@ -9,7 +9,8 @@ import torch
 
 from memplan.catalog import spec_from_config
 from memplan.estimators.contracts import DtypePlan, layer_saved
-from memplan.estimators.timeline import layer_contexts
+from memplan.estimators.deltanet import TRITON_BENCHMARK_BUFFER
+from memplan.estimators.timeline import layer_contexts, step_sizes, walk_run
 from memplan.schema import TrainSetup
 
 # Qwen3-Next: the same layer with fused input projections (in_proj_qkvz, in_proj_ba), a small
@@ -147,3 +148,33 @@ def test_qwen3_next_fused_projections_save_what_qwen3_5s_do(
     measured = saved_storage_bytes(lambda: model.model.layers[0].linear_attn(x), model)
     kept_input = 0 if frozen else x.numel() * x.element_size()
     assert predicted(config, precision, batch, seq, frozen) == measured - kept_input
+
+
+def fla_walk() -> tuple[list, list[int]]:
+    """The analytic run of a two-layer Qwen3.5 (a DeltaNet layer, then full attention) with
+    fla's rule: its events and the event counts where its steps end."""
+    config = {**deltanet_config((2, 4, 32, 32)), "num_hidden_layers": 2}
+    config["layer_types"] = ["linear_attention", "full_attention"]
+    spec = spec_from_config(config)
+    setup = TrainSetup(batch=2, seq=200, deltanet_kernels="fla")
+    _, log = walk_run(spec, setup, step_sizes(spec, setup, None, "cuda"), steady_steps=1)
+    return log.events, log.step_ends
+
+
+def test_fla_autotunes_in_the_first_deltanet_backward_of_step_one_only():
+    events, ends = fla_walk()
+    buffers = [
+        (i, e.label)
+        for i, e in enumerate(events)
+        if e.action == "alloc" and e.nbytes == TRITON_BENCHMARK_BUFFER
+    ]
+    ((at, label),) = buffers
+    assert at < ends[0] and label == "layer 0 backward"  # step 1 ends at ends[0]
+
+
+def test_torch_rule_walks_no_benchmark_buffer():
+    config = {**deltanet_config((2, 4, 32, 32)), "num_hidden_layers": 1}
+    spec = spec_from_config(config)
+    setup = TrainSetup(batch=2, seq=200)
+    _, log = walk_run(spec, setup, step_sizes(spec, setup, None, "cuda"), steady_steps=1)
+    assert not [e for e in log.events if e.nbytes == TRITON_BENCHMARK_BUFFER]

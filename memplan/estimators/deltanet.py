@@ -15,9 +15,13 @@ from memplan.estimators.params import fused_deltanet
 
 if TYPE_CHECKING:
     from memplan.estimators.contracts import LayerContext, Saved
+    from memplan.schema import ModelSpec, TrainSetup
 
 FP32 = 4
 CHUNK = 64  # torch_chunk_gated_delta_rule's chunk_size, and fla's
+# Triton's do_bench clears the L2 cache through a buffer of this size each time it benchmarks
+# an autotuned kernel (its CUDA driver's get_empty_cache_for_benchmark)
+TRITON_BENCHMARK_BUFFER = 256 * 2**20
 # The entries of deltanet_saved that the chunked delta rule saves
 RULE_ENTRIES = ("delta.qk", "delta.chunk")
 
@@ -166,6 +170,17 @@ def chunk_matmuls_under_autocast(ctx: LayerContext, cached: bool) -> list[int]:
     out += [p * squares, p * values, p * state * c, p * state * c]
     out += [p * keys // c * (c - 1)] * 2 + [p * keys // c * updates, p * values // c * updates]
     return [n for n in out if n]
+
+
+def fla_autotuned_layer(spec: ModelSpec, setup: TrainSetup) -> int | None:
+    """The layer whose backward autotunes one of fla's kernels at the step's high point: its
+    chunk-local cumsum is autotuned per batch size (the batch is in its key), so a process's
+    first step at a batch benchmarks it in the first DeltaNet backward, the last DeltaNet
+    layer's, beside the rule's backward transients; an autotuning that runs out of memory is
+    not cached, so every first step does. None where fla does not run the rule."""
+    if setup.deltanet_kernels != "fla" or not spec.linear_attention_layers:
+        return None
+    return max(spec.linear_attention_layers)
 
 
 def deltanet_cache_bytes(ctx: LayerContext) -> list[int]:

@@ -48,9 +48,11 @@ from memplan.estimators.contracts import (
 )
 from memplan.estimators.deltanet import (
     RULE_ENTRIES,
+    TRITON_BENCHMARK_BUFFER,
     deltanet_backward_transient,
     deltanet_cache_bytes,
     deltanet_forward_peak,
+    fla_autotuned_layer,
 )
 from memplan.estimators.events import EventLog, ForwardStep
 from memplan.estimators.grouped_experts import (
@@ -699,6 +701,8 @@ class StepSizes:
     layer_fwd_peak_delta: int | None
     recomputed_peak_delta: list[int | None]
     attention_bwd_transient: list[list[int]]  # per layer
+    # the layer whose backward autotunes a kernel at step 1 (fla_autotuned_layer), or None
+    autotuned_layer: int | None
     # per layer, the attention backward as a program where it materializes scores (its saved
     # tensors freed by name), else empty: attention_bwd_transient's mark instead
     attention_bwd_steps: list[list[MoeStep]]
@@ -872,6 +876,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
             + ([tokens * p * h] if ctx.spec.attention_output_gate else [])
             for ctx in contexts
         ],
+        autotuned_layer=fla_autotuned_layer(spec, setup),
         attention_bwd_steps=[
             scores_backward_steps(ctx, tokens, grads)
             for ctx, grads in zip(contexts, gradients, strict=True)
@@ -1725,7 +1730,12 @@ def walk_step(
         scratch = sizes.layer_bwd_scratch[index] if sizes.layer_bwd_scratch else ([], [])
         for part, nbytes, transient, kept in (
             ("mlp", gradients.mlp, sizes.mlp_bwd_transient[index], kept_after),
-            ("attention", gradients.attention, sizes.attention_bwd_transient[index], kept_before),
+            (
+                "attention",
+                gradients.attention,
+                attention_transient(sizes, index, steady),
+                kept_before,
+            ),
         ):
             builder.at("backward", label)
             if part == "mlp" and saved.moe_backward and saved.moe_backward[index]:
@@ -1817,6 +1827,15 @@ def walk_step(
     builder.mark("backward", "end of backward")
     layout.backward_end(builder, run, sync)
     return walk
+
+
+def attention_transient(sizes: StepSizes, index: int, steady: bool) -> list[int]:
+    """What layer `index`'s attention backward holds beside its saved tensors; at step 1, in the
+    layer that autotunes there, Triton's benchmark buffer too."""
+    held = sizes.attention_bwd_transient[index]
+    if not steady and index == sizes.autotuned_layer:
+        return [*held, TRITON_BENCHMARK_BUFFER]
+    return held
 
 
 def start_autograd_workspace(builder: StepBuilder, run: RunTensors, nbytes: int) -> None:

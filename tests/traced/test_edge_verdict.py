@@ -113,6 +113,8 @@ def test_the_trace_decides_only_plans_it_follows() -> None:
     assert decides(m.setup.model_copy(update={"kernels": kernels}))
     assert not decides(m.setup.model_copy(update={"kernels": ("rms_norm", "cross_entropy")}))
     assert not decides(m.setup.model_copy(update={"optimizer": "adamw-8bit"}))
+    # fla's Triton kernels do not run on meta tensors
+    assert not decides(m.setup.model_copy(update={"deltanet_kernels": "fla"}))
 
 
 def test_advise_says_when_the_traced_step_gave_the_verdict() -> None:

@@ -52,6 +52,8 @@ def test_case_names():
     assert case_name("m", TrainSetup(batch=1, seq=8), liger=True) == "m_b1_s8_bf16_liger"
     sharded = TrainSetup(batch=1, seq=8, strategy="fsdp2", gpus=64, reshard_after_forward=False)
     assert case_name("m", sharded) == "m_b1_s8_bf16_fsdp2x64_keep_hf"
+    fla = TrainSetup(batch=1, seq=8, deltanet_kernels="fla")
+    assert case_name("m", fla) == "m_b1_s8_bf16_fla_hf"
 
 
 def test_plan_overrides_kernels_micro_batch_and_checkpointing():

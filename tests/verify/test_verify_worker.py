@@ -3,6 +3,7 @@ optimizers and steps of the protocol, with torch.cuda's memory counters replaced
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -322,3 +323,41 @@ def test_the_child_counts_the_parameters_it_builds(fake_cuda):
     m, code = worker.run(make_case(strategy="fsdp2", gpus=2))
     assert code == protocol.EXIT_OK, m.error
     assert worker._param_count(make_case()) == m.n_params
+
+
+TINY_QWEN3_5 = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+
+
+@pytest.mark.parametrize("fla_imports", [False, True])
+def test_a_case_is_refused_where_transformers_would_run_the_other_delta_rule(
+    fake_cuda, monkeypatch, fla_imports
+):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "fla" and fla_imports else real_find_spec(name, *a),
+    )
+    asked = "torch" if fla_imports else "fla"
+    case = make_case(deltanet_kernels=asked).model_copy(
+        update={"model_type": "qwen3_5_text", "hf_config": TINY_QWEN3_5}
+    )
+    m, code = worker.run(case)
+    assert code == protocol.EXIT_BUILD and m.error_kind == "build"
+    assert f"deltanet_kernels={asked}" in m.error and "flash-linear-attention" in m.error
+    # a model without gated DeltaNet layers runs whatever imports
+    m, code = worker.run(make_case(deltanet_kernels="torch"))
+    assert code == protocol.EXIT_OK, m.error
