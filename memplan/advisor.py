@@ -26,6 +26,7 @@ from memplan.errors import MemplanError, UsageError, option_error
 from memplan.estimators import estimate, predict_reserved, with_reserved
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.contracts import DtypePlan
+from memplan.estimators.deltanet import fla_autotuned_layer
 from memplan.estimators.parallel import strategies_modelled
 from memplan.estimators.params import (
     attention_lora_targets,
@@ -81,6 +82,13 @@ EDGE_WARNING = (
     "the allocated peak is within 15% of the GPU's capacity, where fragmentation of PyTorch's "
     "default allocator decides the fit and the prediction is least sure (docs/fit_verdict.md): "
     "run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+)
+# fla autotunes kernels at a process's first step at each batch size, beside the step's peak
+FLA_AUTOTUNE_WARNING = (
+    "flash-linear-attention tunes its kernels in the first step at each batch size, and "
+    "Triton's tuning buffers come beside the step's peak, in step 1 only; a tuning that runs out "
+    "of memory is not cached: one step at the same batch and a short sequence caches it before "
+    "the long run (docs/fit_verdict.md)"
 )
 
 # Past a few thousand rows a chunk's (rows x hidden) @ (hidden x vocab) GEMM runs near the
@@ -656,6 +664,8 @@ def advise(
     near = EDGE_SHARE * gpu_spec.capacity < result.peak_bytes <= gpu_spec.capacity
     if near and not setup.expandable_segments:
         warnings.append(EDGE_WARNING)
+    if near and fla_autotuned_layer(spec, setup) is not None:
+        warnings.append(FLA_AUTOTUNE_WARNING)
     if not fit and not spec.uniform_layers:
         warnings.append(
             f"{spec.model_type}'s layers of two attention geometries are modelled on one GPU "

@@ -392,3 +392,12 @@ def test_advice_names_the_gated_deltanet_path_it_estimates(monkeypatch):
     with pytest.raises(UsageError, match="deltanet_kernels"):
         advise("qwen3.5-0.8b", 1, 256, gpu="h100", deltanet_kernels="cuda")
     assert not [w for w in advise("llama-3.2-1b", 1, 256, gpu="h100").warnings if "DeltaNet" in w]
+
+
+def test_fla_at_the_edge_says_its_first_step_tunes_kernels():
+    def tuning(batch: int, rule: str) -> bool:
+        advice = advise("qwen3.5-0.8b", batch, 2048, gpu="h100", deltanet_kernels=rule)
+        return any("tunes its kernels" in w for w in advice.warnings)
+
+    assert tuning(22, "fla")  # 98% of an H100's capacity allocated
+    assert not tuning(4, "fla") and not tuning(10, "torch")
