@@ -253,21 +253,27 @@ def fla_rule_transient(ctx: LayerContext, tokens: int) -> list[int]:
 
 def deltanet_backward_transient(ctx: LayerContext, tokens: int) -> list[int]:
     """What one gated DeltaNet layer's backward holds beside its saved tensors and its weights'
-    gradients at its high point.
+    gradients at its high point, inside the chunked rule's backward, z's gradient (the gated
+    norm's, consumed later by its projection) beside the rule's.
 
-    torch's rule, an estimate: the gradients of the conv's output and of z, in the
-    projections' dtype (the traced step's DeltaNet backward stays below the MLP's backward
-    before it). fla's rule, at prepare_wy_repr_bwd's outputs: the output's and z's gradients;
-    the recomputed w, u, states and v_new; dh (a state per chunk), dv; dq, dk, dw and the fp32
-    dg (one per 128-wide block of the key dim); dk2, dv, db and the fp32 dg2."""
+    torch's rule: the fp32 gradients of the five tensors its loop over chunks slices, each a
+    padded tensor that autograd accumulates chunk by chunk: the intra-chunk attention (64 x 64
+    per chunk), the decayed query, new_values, k_cumdecay and the decayed key. fla's, at
+    prepare_wy_repr_bwd's outputs: the output's gradient; the recomputed w, u, states and v_new;
+    dh (a state per chunk), dv; dq, dk, dw and the fp32 dg (one per 128-wide block of the key
+    dim); dk2, dv, db and the fp32 dg2."""
     p = ctx.dtypes.proj
-    if ctx.setup.deltanet_kernels != "fla":
-        return [tokens * p * conv_channels(ctx), tokens * p * value_width(ctx)]
     spec = ctx.spec
     nv, dk = spec.linear_num_value_heads, spec.linear_key_head_dim
+    z_grad = tokens * p * value_width(ctx)
+    if ctx.setup.deltanet_kernels != "fla":
+        padded = CHUNK * ctx.setup.batch * chunks(ctx.seq)
+        keys, values = FP32 * nv * dk * padded, FP32 * value_width(ctx) * padded
+        # in the order the last chunk's backward reaches them: the output's matmuls, then v_new's
+        return [z_grad, FP32 * nv * CHUNK * padded, keys, values, keys, keys]
     keys, values = tokens * p * nv * dk, tokens * p * value_width(ctx)
     states = fla_states(ctx)
     dg = tokens * FP32 * nv * -(-dk // 128)
-    out = [values, values, keys, values, states, values, states, values]
+    out = [z_grad, values, keys, values, states, values, states, values]
     out += [keys, keys, keys, dg, keys, values, tokens * p * nv, tokens * FP32 * nv]
     return out
