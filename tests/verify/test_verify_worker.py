@@ -13,6 +13,7 @@ import torch
 from memplan.schema import GIB, TrainSetup, VerifyCase
 from memplan.verify import protocol, worker
 from memplan.verify.allocator_trace import marker_sizes
+from tests.traced.tiny import tiny
 
 from .fakes import TINY_LLAMA, FakeCudaMemory
 
@@ -325,22 +326,6 @@ def test_the_child_counts_the_parameters_it_builds(fake_cuda):
     assert worker._param_count(make_case()) == m.n_params
 
 
-TINY_QWEN3_5 = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 256,
-    "layer_types": ["linear_attention", "full_attention"],
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-}
-
-
 @pytest.mark.parametrize("fla_imports", [False, True])
 def test_a_case_is_refused_where_transformers_would_run_the_other_delta_rule(
     fake_cuda, monkeypatch, fla_imports
@@ -353,7 +338,7 @@ def test_a_case_is_refused_where_transformers_would_run_the_other_delta_rule(
     )
     asked = "torch" if fla_imports else "fla"
     case = make_case(deltanet_kernels=asked).model_copy(
-        update={"model_type": "qwen3_5_text", "hf_config": TINY_QWEN3_5}
+        update={"model_type": "qwen3_5_text", "hf_config": tiny("qwen3_5_text")}
     )
     m, code = worker.run(case)
     assert code == protocol.EXIT_BUILD and m.error_kind == "build"
