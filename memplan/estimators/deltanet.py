@@ -136,15 +136,25 @@ def torch_rule_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
 
 def fla_rule_saved(ctx: LayerContext, out: Saved) -> None:
     """What flash-linear-attention's ChunkGatedDeltaRuleFunction saves (fla 0.6, called as
-    transformers calls it, use_qk_l2norm_in_kernel): v's contiguous copy (v is a view of the
-    transposed conv output), q and k L2-normalized with their fp32 rstd, the decay's fp32
-    chunk-local cumsum, and the solved 64 x 64 triangular blocks A per token, in the inputs'
+    transformers calls it, use_qk_l2norm_in_kernel): fla_saved_per_token's tensors."""
+    for name, nbytes in fla_saved_per_token(ctx):
+        out.add(name, nbytes)
+
+
+def fla_saved_per_token(ctx: LayerContext) -> list[tuple[str, int]]:
+    """fla's saved tensors in the order it makes them, bytes per token: v's contiguous copy (v
+    is a view of the transposed conv output), q and k L2-normalized with their fp32 rstd, the
+    decay's fp32 chunk-local cumsum, and the solved 64 x 64 triangular blocks A, in the inputs'
     dtype; beta is the sigmoid's output, which sigmoid saves already. Nothing is padded."""
     spec, p = ctx.spec, ctx.dtypes.proj
     nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
-    out.add("delta.chunk", p * nv * dv)
-    out.add_each("delta.qk", p * nv * dk, FP32 * nv, p * nv * dk, FP32 * nv)
-    out.add_each("delta.chunk", FP32 * nv, p * nv * CHUNK)
+    qk = [("delta.qk", p * nv * dk), ("delta.qk", FP32 * nv)] * 2
+    return [
+        ("delta.chunk", p * nv * dv),
+        *qk,
+        ("delta.chunk", FP32 * nv),
+        ("delta.chunk", p * nv * CHUNK),
+    ]
 
 
 def chunk_matmuls_under_autocast(ctx: LayerContext, cached: bool) -> list[int]:
@@ -209,17 +219,9 @@ def deltanet_forward_peak(
     spec, d = ctx.spec, ctx.dtypes
     pair = [tokens * d.residual * spec.hidden_size] * 2
     if ctx.setup.deltanet_kernels == "fla":
-        nv, dk, dv = (
-            spec.linear_num_value_heads,
-            spec.linear_key_head_dim,
-            spec.linear_value_head_dim,
-        )
         held = fla_rule_transient(ctx, tokens)
         if ctx.setup.grad_checkpointing:  # what the rule saves is its transient here
-            p = d.proj
-            rule = [p * nv * dv, p * nv * dk, FP32 * nv, p * nv * dk, FP32 * nv, FP32 * nv]
-            rule += [p * nv * CHUNK]
-            return [tokens * n for n in rule] + held + pair
+            return [tokens * n for _, n in fla_saved_per_token(ctx)] + held + pair
         at_rule = [*rule_saved, *held, *pair]
         at_end = [*layer_saved, *pair]
         return at_rule if sum(at_rule) > sum(at_end) else at_end
