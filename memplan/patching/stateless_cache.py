@@ -8,10 +8,11 @@ transformers' own DynamicCache copies every layer's keys and values (torch.cat o
 tensor).
 
 This cache answers the mask's questions as an empty DynamicCache does (no tokens seen: key length
-= query length, offset 0, the config's sliding layers) and hands keys and values back untouched
-from `update`. memplan passes it only where the check cannot find anything: the caller gave no
-position ids (transformers then numbers each row 0..n-1, one sequence per row), no attention mask
-and no cache, and asked for none."""
+= query length, offset 0, the config's sliding layers, no previous linear-attention state) and
+hands keys and values, conv inputs and recurrent states back untouched, keeping none. memplan
+passes it only where the check cannot find anything: the caller gave no position ids
+(transformers then numbers each row 0..n-1, one sequence per row), no attention mask and no
+cache, and asked for none."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ class StatelessCache(DynamicCache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return key_states, value_states
+
+    # A gated DeltaNet layer (Qwen3.5, Qwen3-Next) hands its conv input and its final recurrent
+    # state to the cache; kept, they would stay alive through the loss.
+    def update_conv_state(
+        self, conv_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        return conv_states
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        return recurrent_states
 
 
 def skips_packed_check(kwargs: dict[str, Any], base_model: Any) -> bool:

@@ -18,6 +18,7 @@ import transformers.masking_utils as masking_utils
 import memplan.kernels.fused_linear_cross_entropy as flce_module
 import memplan.patching as mp
 from memplan.patching.stateless_cache import StatelessCache
+from tests.traced.tiny import tiny
 
 from .tiny_models import FAMILIES, assert_grads_close, pair, rel_err
 
@@ -133,6 +134,29 @@ def test_stateless_cache_hands_states_back() -> None:
     out_k, out_v = cache.update(k, v, 0)
     assert out_k is k and out_v is v
     assert cache.get_seq_length() == 0
+
+
+def test_stateless_cache_keeps_no_deltanet_state() -> None:
+    """A gated DeltaNet layer's conv input and final state come back as they went in, and the
+    cache holds neither (kept, they would be alive through the loss)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**tiny("qwen3_5_text"))
+    cache = StatelessCache(config=config)
+    layer = config.layer_types.index("linear_attention")
+    conv, state = torch.randn(2, 96, 16), torch.randn(2, 4, 16, 16)
+    assert cache.update_conv_state(conv, layer, conv_kernel_size=4) is conv
+    assert cache.update_recurrent_state(state, layer) is state
+    assert not cache.has_previous_state(layer)
+    held = [t for t in vars(cache.layers[layer]).values() if isinstance(t, torch.Tensor)]
+    held += [
+        t
+        for v in vars(cache.layers[layer]).values()
+        if isinstance(v, (list, dict))
+        for t in (v.values() if isinstance(v, dict) else v)
+        if isinstance(t, torch.Tensor)
+    ]
+    assert not held
 
 
 def test_flce_targets_are_copied_once_at_the_start(monkeypatch) -> None:
