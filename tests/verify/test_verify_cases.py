@@ -275,3 +275,19 @@ def test_sdpa_asked_of_a_model_transformers_builds_eager_only_is_planned_eager()
     (planned,) = plan_cases("gpt-oss-20b", batch=1, seq=128, kernels="none", layers=2)
     assert planned.case.setup.attn == "eager"
     assert "eager" in planned.case.case
+
+
+def test_cases_take_the_delta_rule_transformers_will_run(monkeypatch):
+    import memplan.advisor
+
+    def planned(fla: bool) -> str:
+        monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: fla and name == "fla")
+        (item,) = plan_cases("qwen3.5-0.8b", batch=1, seq=64, kernels="none", layers=4)
+        return item.case.setup.deltanet_kernels
+
+    assert planned(True) == "fla" and planned(False) == "torch"
+    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: name == "fla")
+    (item,) = plan_cases(
+        "qwen3.5-0.8b", batch=1, seq=64, kernels="none", layers=4, deltanet_kernels="torch"
+    )
+    assert item.case.setup.deltanet_kernels == "torch"  # what the caller asks wins
