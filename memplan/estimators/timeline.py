@@ -255,11 +255,18 @@ def saved_allocations(
     return [n for n in sizes if n > 0]
 
 
-def rule_saved(ctx: LayerContext) -> Saved:
-    """What a gated DeltaNet layer saves up to its chunked rule's last saved tensor."""
+def deltanet_forward_transient(ctx: LayerContext, tokens: int) -> list[int]:
+    """deltanet_forward_peak with the layer's saved tensors, all of them and those up to the
+    chunked rule's last, as the allocator gets them."""
     saved = layer_saved(ctx)
     rule = [i for i, (name, _, _) in enumerate(saved.tensors) if name.startswith(RULE_ENTRIES)]
-    return Saved(tensors=saved.tensors[: rule[-1] + 1] if rule else [])
+    up_to_rule = Saved(tensors=saved.tensors[: rule[-1] + 1] if rule else [])
+    return deltanet_forward_peak(
+        ctx,
+        [round_block(n) for n in saved_allocations(saved, tokens, ())],
+        [round_block(n) for n in saved_allocations(up_to_rule, tokens, ())],
+        tokens,
+    )
 
 
 def saved_names(
@@ -825,12 +832,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         # Raw q, k, v before RoPE and its rotate_half temporaries (latent attention: q, k and
         # kv_b_proj's output), plus the residual pair.
         layer_fwd_transient=[
-            deltanet_forward_peak(
-                ctx,
-                [round_block(n) for n in saved_allocations(layer_saved(ctx), tokens, ())],
-                [round_block(n) for n in saved_allocations(rule_saved(ctx), tokens, ())],
-                tokens,
-            )
+            deltanet_forward_transient(ctx, tokens)
             if ctx.spec.deltanet
             else [tokens * p * ctx.spec.num_attention_heads * w for w in qkv_widths(ctx.spec)]
             + [tokens * dtypes.residual * h] * 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import importlib.util
 import platform
 import sys
 import time
@@ -20,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import memplan
-from memplan.schema import Measurement, ProfileOp, ProfileTable, TrainSetup, VerifyCase
+from memplan.schema import (
+    Measurement,
+    ModelSpec,
+    ProfileOp,
+    ProfileTable,
+    TrainSetup,
+    VerifyCase,
+)
 from memplan.verify import distributed, protocol
 from memplan.verify.allocator_trace import downsample, events_from_trace, marker_sizes
 
@@ -202,20 +208,28 @@ def _allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
-def _check_deltanet_kernels(case: VerifyCase) -> None:
-    """The gated DeltaNet the case asks is the one transformers will run here: fla's kernels
-    where the `fla` package imports, the torch fallback where it does not."""
+def _case_spec(case: VerifyCase) -> ModelSpec | None:
+    """The case's model as the estimator sees it; None for a model type without a family
+    entry."""
     from memplan.errors import MemplanError
     from memplan.verify.predict import spec_from_hf_config
 
     try:
-        spec = spec_from_hf_config({"model_type": case.model_type, **case.hf_config}, case.model)
+        return spec_from_hf_config({"model_type": case.model_type, **case.hf_config}, case.model)
     except MemplanError:
+        return None
+
+
+def _check_deltanet_kernels(case: VerifyCase) -> None:
+    """The gated DeltaNet the case asks is the one transformers will run here: fla's kernels
+    where the `fla` package imports, the torch fallback where it does not."""
+    from memplan.advisor import installed_deltanet_kernels
+
+    spec = _case_spec(case)
+    installed = installed_deltanet_kernels()
+    if spec is None or not spec.linear_attention_layers or installed == case.setup.deltanet_kernels:
         return
-    fla = importlib.util.find_spec("fla") is not None
-    if not spec.linear_attention_layers or fla == (case.setup.deltanet_kernels == "fla"):
-        return
-    here = "imports" if fla else "does not import"
+    here = "imports" if installed == "fla" else "does not import"
     message = (
         f"the case asks deltanet_kernels={case.setup.deltanet_kernels} but flash-linear-attention "
         f"{here} here, so transformers would run the other chunked delta rule"
@@ -226,15 +240,10 @@ def _check_deltanet_kernels(case: VerifyCase) -> None:
 def _param_count(case: VerifyCase) -> int | None:
     """The model's parameters as the estimator counts them; None for a model type without a
     family entry."""
-    from memplan.errors import MemplanError
     from memplan.estimators import count_params
-    from memplan.verify.predict import spec_from_hf_config
 
-    try:
-        spec = spec_from_hf_config({"model_type": case.model_type, **case.hf_config}, case.model)
-    except MemplanError:
-        return None
-    return count_params(spec).total
+    spec = _case_spec(case)
+    return None if spec is None else count_params(spec).total
 
 
 def _applied_summary(applied: Any) -> dict[str, Any]:
