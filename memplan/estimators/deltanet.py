@@ -1,7 +1,9 @@
-"""Memory contract of Qwen3.5's gated DeltaNet layer as transformers 5.17 runs it without
-flash-linear-attention and causal-conv1d: the torch fallback (torch_chunk_gated_delta_rule and
-the causal conv1d in torch). Read off the tensors autograd saves on the CPU and checked by
-tests/test_estimator_contracts.py and tests/test_deltanet_contract.py.
+"""Memory contract of Qwen3.5's gated DeltaNet layer as transformers 5.17 runs it, the causal
+conv1d in torch (causal-conv1d is not modelled), the chunked delta rule either transformers'
+torch fallback (torch_chunk_gated_delta_rule; read off the tensors autograd saves on the CPU,
+checked by tests/test_estimator_contracts.py and tests/test_deltanet_contract.py) or
+flash-linear-attention's (setup.deltanet_kernels "fla"; read off fla 0.6's source, its saved
+bytes checked on a GPU by tests/test_deltanet_fla.py).
 
 Notation: T = batch x seq tokens, c = ceil(seq / 64) chunks, Tp = 64 x batch x c padded tokens,
 nk / nv key / value heads, dk / dv their dims, C = 2 nk dk + nv dv the conv's channels, K its

@@ -249,7 +249,7 @@ EXTRA_VARIANTS = [
     ("qwen3_next", {"linear_num_value_heads": 4}, {"kernels": LAYER_KERNELS}),
     # checkpointed: the high point is inside the chunked rule's backward, where autograd holds
     # the fp32 gradients of the five tensors its loop over chunks slices
-    # (deltanet.deltanet_backward_transient): +1.58% before they were counted, -0.18% after
+    # (deltanet.deltanet_backward_transient)
     ("qwen3_5_text", {}, {"kernels": LAYER_KERNELS, "grad_checkpointing": True}),
 ]
 
