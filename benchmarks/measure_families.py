@@ -4,7 +4,8 @@ and LoRA or checkpointing), and sets of one run a case (recomputed MoE, the gate
 cases away from the edge: docs/fit_verdict.md).
 
     python benchmarks/measure_families.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups families|recomputed-moe|gated-norm|gated-norm-held-out|held-out|fla]
+        [--setups families|recomputed-moe|gated-norm|gated-norm-held-out|held-out|fla|
+         causal-conv1d]
     python benchmarks/measure_families.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_families.py table PREDICTIONS.json RESULTS.json
 
@@ -37,7 +38,7 @@ SEQ = 2048
 LORA = {"lora_rank": 16}
 CHECKPOINTING = {"grad_checkpointing": True}
 # transformers' torch fallback for the gated DeltaNet, wherever the predictions are written
-TORCH_RULE = {"deltanet_kernels": "torch"}
+TORCH_RULE = {"deltanet_kernels": "torch", "deltanet_conv": "torch"}
 LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # One run a case: (catalog model, decoder layers kept (None: all), batch, kernels, options).
 Case = tuple[str, int | None, int, str, dict[str, Any]]
@@ -125,6 +126,19 @@ FLA_CASES: list[Case] = [
 ]
 
 
+# causal-conv1d's conv (written before its contract met a GPU): with the torch fallback's rule,
+# Hugging Face as it is, the plan and LoRA with it; with fla's rule, the plan checkpointed and
+# Qwen3-Next cut to four layers with the plan.
+CAUSAL_CONV1D = {"deltanet_conv": "causal_conv1d"}
+CAUSAL_CONV1D_CASES: list[Case] = [
+    ("qwen3.5-0.8b", None, 4, "none", CAUSAL_CONV1D),
+    ("qwen3.5-0.8b", None, 4, "auto", CAUSAL_CONV1D),
+    ("qwen3.5-0.8b", None, 4, "auto", {**CAUSAL_CONV1D, **LORA}),
+    ("qwen3.5-0.8b", None, 8, "auto", {**CAUSAL_CONV1D, **FLA, **CHECKPOINTING}),
+    ("qwen3-next-80b-a3b-instruct", 4, 3, "auto", {**CAUSAL_CONV1D, **FLA}),
+]
+
+
 # Away from the edge, on cases none of the analytic walk's per-op temporaries were found on:
 # LoRA, eager attention, autocast, checkpointing and fp32 on models and sizes none of the fixes
 # used (the analytic stream's reserved peak, what advise prints there, out of sample).
@@ -169,6 +183,7 @@ CASE_SETS = {
     "gated-norm-held-out": GATED_NORM_HELD_OUT,
     "held-out": HELD_OUT,
     "fla": FLA_CASES,
+    "causal-conv1d": CAUSAL_CONV1D_CASES,
 }
 SETUP_SETS = {
     "families": runs,

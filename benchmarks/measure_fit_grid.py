@@ -116,7 +116,8 @@ def edge_cases(model: str, kernels: str, options: dict[str, Any], gpu_name: str)
     """The largest batch advise gives (or, where a batch step is coarse, its largest sequence)
     and one more, each with the verdict advise prints for it: what a user would act on."""
     spec, gpu = resolve_model(model), resolve_gpu(gpu_name)
-    options = {"deltanet_kernels": "torch", **options}  # not whichever imports where it runs
+    # not whichever imports where it runs
+    options = {"deltanet_kernels": "torch", "deltanet_conv": "torch", **options}
 
     def advised(batch: int, seq: int) -> Any:
         return advise(spec, batch, seq, gpu=gpu, kernels=kernels, **options)

@@ -388,8 +388,8 @@ def largest_seq(
 
 
 # The packages whose kernels transformers runs for a gated DeltaNet layer in place of its
-# torch fallback, by import name: fla's chunked delta rule (modelled: deltanet_kernels="fla")
-# and causal-conv1d's conv (not modelled).
+# torch fallback, by import name: fla's chunked delta rule (deltanet_kernels="fla") and
+# causal-conv1d's conv (deltanet_conv="causal_conv1d").
 DELTANET_FAST_PACKAGES = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
 
 
@@ -398,30 +398,33 @@ def installed_deltanet_kernels() -> str:
     return "fla" if find_spec("fla") else "torch"
 
 
+def installed_deltanet_conv() -> str:
+    """Whose causal conv transformers would run here: causal-conv1d's where it imports."""
+    return "causal_conv1d" if find_spec("causal_conv1d") else "torch"
+
+
 def deltanet_note(spec: ModelSpec, setup: TrainSetup) -> list[str]:
     """Which gated DeltaNet the estimate assumes, and where a package importable here would
-    make transformers run something else than the estimate models."""
+    make transformers run another one than the estimate models."""
     if not spec.linear_attention_layers:
         return []
     layers = f"{spec.model_type}'s {len(spec.linear_attention_layers)} gated DeltaNet layers"
-    if setup.deltanet_kernels == "fla":
-        note = (
-            f"{layers} are estimated as flash-linear-attention's chunk_gated_delta_rule runs "
-            "them, with the causal conv1d in torch"
-        )
-        unmodelled = ["causal_conv1d"]
-    else:
-        note = (
-            f"{layers} are estimated as transformers' torch fallback runs them "
-            "(torch_chunk_gated_delta_rule, the causal conv1d in torch)"
-        )
-        unmodelled = list(DELTANET_FAST_PACKAGES)
-    found = [DELTANET_FAST_PACKAGES[m] for m in unmodelled if find_spec(m)]
-    if found:
-        note += (
-            f"; {' and '.join(found)} importable here: transformers runs their kernels instead, "
-            "whose memory this estimate does not model"
-        )
+    rule = (
+        "flash-linear-attention's chunk_gated_delta_rule"
+        if setup.deltanet_kernels == "fla"
+        else "transformers' torch_chunk_gated_delta_rule"
+    )
+    conv = "causal-conv1d's" if setup.deltanet_conv == "causal_conv1d" else "torch's"
+    note = f"{layers} are estimated with {rule} and {conv} causal conv"
+    assumed = {"fla": setup.deltanet_kernels == "fla"}
+    assumed["causal_conv1d"] = setup.deltanet_conv == "causal_conv1d"
+    differ = [
+        f"{DELTANET_FAST_PACKAGES[m]} {'does not import' if used else 'imports'}"
+        for m, used in assumed.items()
+        if used != bool(find_spec(m))
+    ]
+    if differ:
+        note += f"; {' and '.join(differ)} here, so transformers here would run another kernel"
     return [note]
 
 
@@ -452,6 +455,7 @@ def advise(
     cpu_offload: bool = False,
     count_vision_tower: str | None = None,
     deltanet_kernels: str | None = None,
+    deltanet_conv: str | None = None,
     traced_verdict: bool = True,
 ) -> Advice:
     """Predict the peak of one training step and recommend what to switch on.
@@ -472,7 +476,8 @@ def advise(
     gradient) or "trained" (weights, gradients, optimizer states); Advice.vision_tower_params
     says how many parameters they have. `deltanet_kernels`: whose chunked delta rule runs a
     gated DeltaNet layer, "torch" (transformers' fallback) or "fla" (flash-linear-attention);
-    None: fla where it imports here, as transformers decides. Sizes past memplan.limits' bounds
+    `deltanet_conv`: whose causal conv, "torch" or "causal_conv1d"; None: the package where it
+    imports here, as transformers decides. Sizes past memplan.limits' bounds
     are errors that say the bound and why. `traced_verdict`: at the edge of the capacity the
     verdict and largest batch come from the traced step's stream where it applies
     (memplan.edge_verdict); False, or method="analytic", keeps the analytic replay everywhere
@@ -582,6 +587,7 @@ def advise(
         deltanet_kernels=installed_deltanet_kernels()
         if deltanet_kernels is None
         else deltanet_kernels,
+        deltanet_conv=installed_deltanet_conv() if deltanet_conv is None else deltanet_conv,
     )
     warnings = []
     base, asked = as_run_by(spec.model_type, base, release), base

@@ -147,6 +147,15 @@ def cli() -> None:
     "imports here, as transformers decides",
 )
 @click.option(
+    "--deltanet-conv",
+    type=click.Choice(["auto", "torch", "causal_conv1d"]),
+    default="auto",
+    show_default=True,
+    help="Qwen3.5 and Qwen3-Next: whose causal conv runs in the gated DeltaNet layers, torch's "
+    "or causal-conv1d's kernel; auto: causal-conv1d where it imports here, as transformers "
+    "decides",
+)
+@click.option(
     "--transformers",
     help="the transformers release that will run the step, e.g. 5.24.0 (default: the "
     "installed one); the prediction follows what changed between releases",
@@ -195,6 +204,7 @@ def advise(**opts: Any) -> None:
         cpu_offload=opts["cpu_offload"],
         count_vision_tower=opts["count_vision_tower"],
         deltanet_kernels=None if opts["deltanet_kernels"] == "auto" else opts["deltanet_kernels"],
+        deltanet_conv=None if opts["deltanet_conv"] == "auto" else opts["deltanet_conv"],
     )
     from memplan.versions import warn_if_unvalidated
 

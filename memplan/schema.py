@@ -30,6 +30,9 @@ VisionTower = Literal["frozen", "trained"]
 # (torch_chunk_gated_delta_rule) or flash-linear-attention's Triton kernels, which transformers
 # takes where the `fla` package imports.
 DeltaNetKernels = Literal["torch", "fla"]
+# Who runs a gated DeltaNet layer's causal depthwise conv: torch (F.conv1d, then SiLU) or
+# causal-conv1d's CUDA kernel (SiLU fused), which transformers takes where it imports.
+DeltaNetConv = Literal["torch", "causal_conv1d"]
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 # Those that shard weights, gradients or optimizer states (and can offload them to the CPU).
 SHARDING_STRATEGIES: tuple[str, ...] = ("fsdp2", "zero1", "zero2", "zero3")
@@ -353,8 +356,10 @@ class TrainSetup(BaseModel):
     # estimate: "frozen" counts their weights, "trained" their gradients and optimizer states
     # too; None leaves them out (the text model alone). Their activations are never counted.
     count_vision_tower: VisionTower | None = None
-    # Qwen3.5's and Qwen3-Next's gated DeltaNet layers: whose chunked delta rule runs them
+    # Qwen3.5's and Qwen3-Next's gated DeltaNet layers: whose chunked delta rule runs them,
+    # and whose causal conv
     deltanet_kernels: DeltaNetKernels = "torch"
+    deltanet_conv: DeltaNetConv = "torch"
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSetup:
@@ -408,6 +413,7 @@ SETUP_OPTIONS = (
     "reshard_after_forward",
     "cpu_offload",
     "deltanet_kernels",
+    "deltanet_conv",
 )
 
 

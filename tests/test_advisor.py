@@ -372,25 +372,42 @@ def test_advice_names_the_gated_deltanet_path_it_estimates(monkeypatch):
         advice = advise("qwen3.5-0.8b", 1, 256, gpu="h100", **options)
         return [w for w in advice.warnings if "gated DeltaNet" in w], advice
 
-    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: None)
+    def importable(*names: str) -> None:
+        monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: name in names or None)
+
+    importable()
     (note,), torch_rule = deltanet_advice()
-    assert "18 gated DeltaNet layers" in note and "torch fallback" in note
-    assert "importable" not in note
+    assert "18 gated DeltaNet layers" in note and "torch_chunk_gated_delta_rule" in note
+    assert "torch's causal conv" in note and "here" not in note
     # where fla imports transformers runs its rule, and so does the estimate
-    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: name == "fla" or None)
+    importable("fla")
     (note,), fla_rule = deltanet_advice()
-    assert "flash-linear-attention's chunk_gated_delta_rule" in note and "importable" not in note
-    assert fla_rule.setup.deltanet_kernels == "fla"
+    assert "flash-linear-attention's chunk_gated_delta_rule" in note and "here" not in note
+    assert fla_rule.setup.deltanet_kernels == "fla" and fla_rule.setup.deltanet_conv == "torch"
     assert fla_rule.estimate.peak_bytes < torch_rule.estimate.peak_bytes
     (note,), forced = deltanet_advice(deltanet_kernels="torch")
-    assert "flash-linear-attention importable here" in note
+    assert "flash-linear-attention imports here" in note
     assert forced.estimate.peak_bytes == torch_rule.estimate.peak_bytes
-    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: True)
-    (note,), _ = deltanet_advice()
-    assert "causal-conv1d importable here" in note
-    assert "flash-linear-attention importable" not in note
-    with pytest.raises(UsageError, match="deltanet_kernels"):
-        advise("qwen3.5-0.8b", 1, 256, gpu="h100", deltanet_kernels="cuda")
+    # causal-conv1d's kernel saves neither the padded conv output nor a cast weight
+    importable("fla", "causal_conv1d")
+    (note,), both = deltanet_advice()
+    assert "causal-conv1d's causal conv" in note and "here" not in note
+    assert both.setup.deltanet_conv == "causal_conv1d"
+    # 18 layers x 16K tokens x 6144 channels x 2 bytes (the padded output) fewer at the loss
+    rule_only, with_conv = (
+        advise("qwen3.5-0.8b", 8, 2048, gpu="h100", deltanet_kernels="fla", deltanet_conv=conv)
+        for conv in ("torch", "causal_conv1d")
+    )
+    saved = rule_only.estimate.peak_bytes - with_conv.estimate.peak_bytes
+    assert saved >= 18 * 8 * 2048 * 6144 * 2
+    (note,), _ = deltanet_advice(deltanet_conv="torch", deltanet_kernels="torch")
+    assert "flash-linear-attention imports and causal-conv1d imports here" in note
+    importable()
+    (note,), _ = deltanet_advice(deltanet_conv="causal_conv1d")
+    assert "causal-conv1d does not import here" in note
+    for bad in ({"deltanet_kernels": "cuda"}, {"deltanet_conv": "cudnn"}):
+        with pytest.raises(UsageError, match=next(iter(bad))):
+            advise("qwen3.5-0.8b", 1, 256, gpu="h100", **bad)
     assert not [w for w in advise("llama-3.2-1b", 1, 256, gpu="h100").warnings if "DeltaNet" in w]
 
 

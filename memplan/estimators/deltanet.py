@@ -1,9 +1,10 @@
-"""Memory contract of Qwen3.5's gated DeltaNet layer as transformers 5.17 runs it, the causal
-conv1d in torch (causal-conv1d is not modelled), the chunked delta rule either transformers'
-torch fallback (torch_chunk_gated_delta_rule; read off the tensors autograd saves on the CPU,
-checked by tests/test_estimator_contracts.py and tests/test_deltanet_contract.py) or
-flash-linear-attention's (setup.deltanet_kernels "fla"; read off fla 0.6's source, its saved
-bytes checked on a GPU by tests/test_deltanet_fla.py).
+"""Memory contract of Qwen3.5's gated DeltaNet layer as transformers 5.17 runs it: the causal
+conv either in torch or causal-conv1d's CUDA kernel (setup.deltanet_conv "causal_conv1d"; read
+off causal-conv1d 1.6's source), the chunked delta rule either transformers' torch fallback
+(torch_chunk_gated_delta_rule; read off the tensors autograd saves on the CPU, checked by
+tests/test_estimator_contracts.py and tests/test_deltanet_contract.py) or
+flash-linear-attention's (setup.deltanet_kernels "fla"; read off fla 0.6's source). The fast
+kernels' saved bytes are checked on a GPU by tests/test_deltanet_fast_kernels.py.
 
 Notation: T = batch x seq tokens, c = ceil(seq / 64) chunks, Tp = 64 x batch x c padded tokens,
 nk / nv key / value heads, dk / dv their dims, C = 2 nk dk + nv dv the conv's channels, K its
@@ -46,9 +47,10 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     keep: norm_saved's consumers). `cached`: the model's cache takes the final recurrent state
     (use_cache without checkpointing), so the last chunk's state update stays in the graph.
 
-    - the conv's input (in_proj_qkv's output, transposed) and, under autocast, its weight's
-      bf16 cast, trained or frozen (convolution's backward saves both whichever needs a
-      gradient); SiLU's input, the conv output with its K - 1 padded positions; sigmoid(b);
+    - the conv's input (in_proj_qkv's output, transposed); in torch also, under autocast, its
+      weight's bf16 cast, trained or frozen (convolution's backward saves both whichever needs a
+      gradient), and SiLU's input, the conv output with its K - 1 padded positions (the
+      causal-conv1d kernel fuses the SiLU and reads the weight as it is); sigmoid(b);
       the decay: softplus's fp32 input, and where A_log trains its output and exp(A_log),
       beside -exp(A_log);
     - the chunked rule (fla_rule_saved where flash-linear-attention runs it); in torch:
@@ -75,9 +77,11 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     # the conv: its input (a bf16 cast of an fp32 copy under autocast) and the padded output;
     # convolution saves input and weight even where only the input needs a gradient
     out.add("delta.conv", p * conv)
-    if d.autocast:  # conv1d is an autocast op: the cast of its fp32 weight
-        out.add("delta.conv", constant=p * conv * spec.linear_conv_kernel_dim)
-    out.add("delta.conv", constant=p * conv * batch * (seq + spec.linear_conv_kernel_dim - 1))
+    if ctx.setup.deltanet_conv == "torch":
+        if d.autocast:  # conv1d is an autocast op: the cast of its fp32 weight
+            out.add("delta.conv", constant=p * conv * spec.linear_conv_kernel_dim)
+        taps = spec.linear_conv_kernel_dim
+        out.add("delta.conv", constant=p * conv * batch * (seq + taps - 1))
     out.add("delta.beta", p * nv)
     out.add("delta.decay", constant=FP32 * nv * trained)
     out.add_each("delta.decay", FP32 * nv, FP32 * nv * trained)

@@ -31,9 +31,11 @@ TRACED_KERNELS = frozenset({"rms_norm", "rope", "swiglu", "geglu", "flce", "embe
 def decides(setup: TrainSetup) -> bool:
     """Whether the traced stream decides this setup's verdict: one GPU, memplan kernels among
     TRACED_KERNELS only, an optimizer the trace models, transformers' own gated DeltaNet (fla's
-    Triton kernels do not run on meta tensors); the analytic verdict stands otherwise."""
+    and causal-conv1d's kernels do not run on meta tensors); the analytic verdict stands
+    otherwise."""
     return (
         setup.deltanet_kernels == "torch"
+        and setup.deltanet_conv == "torch"
         and TRACED_KERNELS.issuperset(setup.kernels)
         and setup.strategy is None
         and setup.gpus == 1

@@ -281,9 +281,13 @@ def plan_cases(
         )
     keys = list(sweeps)
     planned: list[PlannedCase] = []
-    from memplan.advisor import installed_deltanet_kernels
+    from memplan.advisor import installed_deltanet_conv, installed_deltanet_kernels
 
-    deltanet_kernels = installed_deltanet_kernels()
+    # the gated DeltaNet kernels transformers will run where the case runs, as advise takes them
+    deltanet = {
+        "deltanet_kernels": installed_deltanet_kernels(),
+        "deltanet_conv": installed_deltanet_conv(),
+    }
     uncut, full_checkpoint = resolve_spec(model, trust_remote_code=trust_remote_code)
     uncut_name = _display_name(uncut)
     seen: dict[str, int] = {}
@@ -296,8 +300,7 @@ def plan_cases(
         else:  # a cut model is built from its config, and named after the model as given
             spec, checkpoint = with_layers(uncut, case_layers), None
             name = f"{uncut_name}-l{case_layers}"
-        # the chunked delta rule transformers will run where the case runs, as advise takes it
-        fields = {"batch": batch, "seq": seq, "deltanet_kernels": deltanet_kernels}
+        fields = {"batch": batch, "seq": seq, **deltanet}
         fields.update(setup_options, **point)
         if fields.get("lora_targets") is None:
             fields.pop("lora_targets", None)

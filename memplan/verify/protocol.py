@@ -46,6 +46,8 @@ def case_name(model: str, setup: TrainSetup, *, liger: bool = False) -> str:
         parts.append("expandable")
     if setup.deltanet_kernels != "torch":
         parts.append(setup.deltanet_kernels)
+    if setup.deltanet_conv != "torch":
+        parts.append("causal-conv1d")
     if setup.strategy is not None:
         parts.append(f"{setup.strategy}x{setup.gpus}")
         if not setup.reshard_after_forward:

@@ -221,20 +221,27 @@ def _case_spec(case: VerifyCase) -> ModelSpec | None:
 
 
 def _check_deltanet_kernels(case: VerifyCase) -> None:
-    """The gated DeltaNet the case asks is the one transformers will run here: fla's kernels
-    where the `fla` package imports, the torch fallback where it does not."""
-    from memplan.advisor import installed_deltanet_kernels
+    """The gated DeltaNet kernels the case asks are the ones transformers will run here: fla's
+    rule where the `fla` package imports, causal-conv1d's conv where `causal_conv1d` does, and
+    the torch fallback for what does not import."""
+    from memplan.advisor import installed_deltanet_conv, installed_deltanet_kernels
 
     spec = _case_spec(case)
-    installed = installed_deltanet_kernels()
-    if spec is None or not spec.linear_attention_layers or installed == case.setup.deltanet_kernels:
+    if spec is None or not spec.linear_attention_layers:
         return
-    here = "imports" if installed == "fla" else "does not import"
-    message = (
-        f"the case asks deltanet_kernels={case.setup.deltanet_kernels} but flash-linear-attention "
-        f"{here} here, so transformers would run the other chunked delta rule"
-    )
-    raise _Failure("build", message, protocol.EXIT_BUILD)
+    checks = [
+        ("deltanet_kernels", installed_deltanet_kernels(), "flash-linear-attention"),
+        ("deltanet_conv", installed_deltanet_conv(), "causal-conv1d"),
+    ]
+    for field, installed, package in checks:
+        asked = getattr(case.setup, field)
+        if asked != installed:
+            here = "does not import" if installed == "torch" else "imports"
+            message = (
+                f"the case asks {field}={asked} but {package} {here} here, so transformers "
+                "would run another kernel"
+            )
+            raise _Failure("build", message, protocol.EXIT_BUILD)
 
 
 def _param_count(case: VerifyCase) -> int | None:

@@ -115,6 +115,7 @@ def test_the_trace_decides_only_plans_it_follows() -> None:
     assert not decides(m.setup.model_copy(update={"optimizer": "adamw-8bit"}))
     # fla's Triton kernels do not run on meta tensors
     assert not decides(m.setup.model_copy(update={"deltanet_kernels": "fla"}))
+    assert not decides(m.setup.model_copy(update={"deltanet_conv": "causal_conv1d"}))
 
 
 def test_advise_says_when_the_traced_step_gave_the_verdict() -> None:

@@ -52,8 +52,8 @@ def test_case_names():
     assert case_name("m", TrainSetup(batch=1, seq=8), liger=True) == "m_b1_s8_bf16_liger"
     sharded = TrainSetup(batch=1, seq=8, strategy="fsdp2", gpus=64, reshard_after_forward=False)
     assert case_name("m", sharded) == "m_b1_s8_bf16_fsdp2x64_keep_hf"
-    fla = TrainSetup(batch=1, seq=8, deltanet_kernels="fla")
-    assert case_name("m", fla) == "m_b1_s8_bf16_fla_hf"
+    fla = TrainSetup(batch=1, seq=8, deltanet_kernels="fla", deltanet_conv="causal_conv1d")
+    assert case_name("m", fla) == "m_b1_s8_bf16_fla_causal-conv1d_hf"
 
 
 def test_plan_overrides_kernels_micro_batch_and_checkpointing():
@@ -277,15 +277,16 @@ def test_sdpa_asked_of_a_model_transformers_builds_eager_only_is_planned_eager()
     assert "eager" in planned.case.case
 
 
-def test_cases_take_the_delta_rule_transformers_will_run(monkeypatch):
+def test_cases_take_the_deltanet_kernels_transformers_will_run(monkeypatch):
     import memplan.advisor
 
-    def planned(fla: bool) -> str:
-        monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: fla and name == "fla")
+    def planned(*importable: str) -> tuple[str, str]:
+        monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: name in importable)
         (item,) = plan_cases("qwen3.5-0.8b", batch=1, seq=64, kernels="none", layers=4)
-        return item.case.setup.deltanet_kernels
+        return item.case.setup.deltanet_kernels, item.case.setup.deltanet_conv
 
-    assert planned(True) == "fla" and planned(False) == "torch"
+    assert planned("fla") == ("fla", "torch") and planned() == ("torch", "torch")
+    assert planned("causal_conv1d") == ("torch", "causal_conv1d")
     monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: name == "fla")
     (item,) = plan_cases(
         "qwen3.5-0.8b", batch=1, seq=64, kernels="none", layers=4, deltanet_kernels="torch"

@@ -325,20 +325,27 @@ def test_the_child_counts_the_parameters_it_builds(fake_cuda):
     assert worker._param_count(make_case()) == m.n_params
 
 
-@pytest.mark.parametrize("fla_imports", [False, True])
-def test_a_case_is_refused_where_transformers_would_run_the_other_delta_rule(
-    fake_cuda, monkeypatch, fla_imports
+@pytest.mark.parametrize(
+    ("field", "module", "fast", "package"),
+    [
+        ("deltanet_kernels", "fla", "fla", "flash-linear-attention"),
+        ("deltanet_conv", "causal_conv1d", "causal_conv1d", "causal-conv1d"),
+    ],
+)
+@pytest.mark.parametrize("imports", [False, True])
+def test_a_case_is_refused_where_transformers_would_run_another_deltanet_kernel(
+    fake_cuda, monkeypatch, field, module, fast, package, imports
 ):
     import memplan.advisor
 
-    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: fla_imports and name == "fla")
-    asked = "torch" if fla_imports else "fla"
-    case = make_case(deltanet_kernels=asked).model_copy(
+    monkeypatch.setattr(memplan.advisor, "find_spec", lambda name: imports and name == module)
+    asked = "torch" if imports else fast
+    case = make_case(**{field: asked}).model_copy(
         update={"model_type": "qwen3_5_text", "hf_config": tiny("qwen3_5_text")}
     )
     m, code = worker.run(case)
     assert code == protocol.EXIT_BUILD and m.error_kind == "build"
-    assert f"deltanet_kernels={asked}" in m.error and "flash-linear-attention" in m.error
+    assert f"{field}={asked}" in m.error and package in m.error
     # a model without gated DeltaNet layers runs whatever imports
     m, code = worker.run(make_case(deltanet_kernels="torch"))
     assert code == protocol.EXIT_OK, m.error

@@ -1,6 +1,8 @@
-"""flash-linear-attention's chunked delta rule (deltanet_kernels="fla") on a CUDA GPU: in one
-forward of the Hugging Face model, the bytes autograd saves equal the contracts'. Forwards only:
-on Hopper with Triton 3.4 to 3.7.0 fla refuses one of its backward kernels."""
+"""The gated DeltaNet's fast kernels on a CUDA GPU, whichever import: flash-linear-attention's
+chunked delta rule (deltanet_kernels="fla") and causal-conv1d's conv (deltanet_conv=
+"causal_conv1d"). In one forward of the Hugging Face model the bytes autograd saves equal the
+contract's for what transformers runs, and differ from the torch fallback's. Forwards only: on
+Hopper with Triton 3.4 to 3.7.0 fla refuses one of its backward kernels."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from memplan.advisor import installed_deltanet_conv, installed_deltanet_kernels
 from memplan.catalog import spec_from_config
 from memplan.estimators.timeline import forward_saved
 from memplan.schema import TrainSetup
@@ -18,8 +21,9 @@ from tests.test_estimator_contracts import PROBE, family_overrides
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
-        reason="needs a CUDA GPU and flash-linear-attention",
+        not torch.cuda.is_available()
+        or not any(importlib.util.find_spec(m) for m in ("fla", "causal_conv1d")),
+        reason="needs a CUDA GPU and flash-linear-attention or causal-conv1d",
     ),
 ]
 
@@ -63,11 +67,15 @@ def test_saved_bytes_match_the_contract(model_type, extra, seq, precision, saved
     measured = saved_storage_bytes(forward, model)
     spec = spec_from_config(config.to_dict())
 
-    def predicted(rule: str) -> int:
+    def predicted(rule: str, conv: str) -> int:
         setup = TrainSetup(
-            batch=PROBE["batch"], seq=seq, precision=precision, deltanet_kernels=rule
+            batch=PROBE["batch"],
+            seq=seq,
+            precision=precision,
+            deltanet_kernels=rule,
+            deltanet_conv=conv,
         )
         return forward_saved(spec, setup, backend="cuda", rounded=False).total
 
-    assert predicted("torch") != measured  # transformers took fla's rule
-    assert predicted("fla") == measured
+    assert predicted("torch", "torch") != measured  # transformers took a fast kernel
+    assert predicted(installed_deltanet_kernels(), installed_deltanet_conv()) == measured
