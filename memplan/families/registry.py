@@ -91,8 +91,9 @@ _GATED_DELTANET_RULES: dict[str, Any] = {
 }
 _GATED_DELTANET_NOTES = (
     "the decoder layers keep their forward: each runs a gated DeltaNet or a full attention",
-    "the gated DeltaNet runs transformers' torch fallback (chunked gated delta rule, causal "
-    "conv1d in torch); flash-linear-attention and causal-conv1d are not modelled",
+    "the gated DeltaNet runs transformers' torch fallbacks (chunked gated delta rule, causal "
+    "conv1d in torch), or flash-linear-attention's rule and causal-conv1d's conv where they "
+    "import (deltanet_kernels, deltanet_conv)",
 )
 # DeepSeek-style MoE layers (GLM-4.5, DeepSeek-V3): an fp32 sigmoid router with an expert-bias
 # buffer and group-limited top-k, shared experts beside the routed ones, the first layers dense.
