@@ -424,7 +424,7 @@ def deltanet_note(spec: ModelSpec, setup: TrainSetup) -> list[str]:
         if used != bool(find_spec(m))
     ]
     if differ:
-        note += f"; {' and '.join(differ)} here, so transformers here would run another kernel"
+        note += f"; {' and '.join(differ)} here, so transformers would run other kernels here"
     return [note]
 
 

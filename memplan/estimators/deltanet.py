@@ -74,8 +74,8 @@ def deltanet_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
     conv = conv_channels(ctx)
     trained = ctx.trainable_base
     fp32_views = p == FP32 and not d.autocast
-    # the conv: its input (a bf16 cast of an fp32 copy under autocast) and the padded output;
-    # convolution saves input and weight even where only the input needs a gradient
+    # the conv's input (torch's conv under autocast: a bf16 cast of an fp32 copy); torch's also
+    # the padded output, and input and weight even where only the input needs a gradient
     out.add("delta.conv", p * conv)
     if ctx.setup.deltanet_conv == "torch":
         if d.autocast:  # conv1d is an autocast op: the cast of its fp32 weight
