@@ -834,14 +834,60 @@ def every_expert_moe_saved(ctx: LayerContext, out: Saved) -> None:
     gated_mlp_saved(ctx, out, SHARED_EXPERT, spec.shared_expert_intermediate_size)
 
 
-# One step of Llama 4's MoE backward (every_expert_moe_backward): ("alloc", key, bytes),
-# ("free", key), ("free_saved", name: the layer's saved entries of that name),
-# ("free_saved_one", name: the first of them), ("grad", bytes: a weight's gradient, kept),
-# ("mark",): a high point.
-MoeStep = tuple
+# One step of a backward program (every_expert_moe_backward, gated_mlp_backward): ("alloc",
+# key, bytes), ("free", key), ("free_saved", name: the layer's saved entries of that name),
+# ("free_saved_one", name: the first of them), ("free_saved_last", name: the last of them),
+# ("grad", bytes: a weight's gradient, which the caller keeps after the program), ("grad_kept",
+# bytes: one kept where it is made), ("mark",): a high point.
+BackwardStep = tuple
 
 
-def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[MoeStep]:
+def gated_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
+    """A dense gated MLP's backward in autograd's order (the traced step's), for a trained
+    layer on one GPU with separate gate and up projections, no biases, no autocast, no GLU
+    kernel and no checkpointing (with it this order alone moved recorded reserved peaks away
+    from the GPU's: docs/accuracy.md). The residual dropout's gradient (where it saves a mask);
+    down_proj's weight gradient, d(product), its saved input freed; d(act) and d(up) (the high
+    point), the product's factors freed, up's first; up_proj's weight and input gradients;
+    d(gate), gate freed; gate_proj's weight and input gradients, the MLP's input freed (the
+    norm's output, or the residual stream after a post-norm layer's attention); their sum, the
+    input's gradient. Each weight gradient is kept where it is made. Empty where the MLP's
+    mark stands instead (timeline.mlp_backward_transient)."""
+    spec = ctx.spec
+    if (
+        ctx.moe
+        or not ctx.trainable_base
+        or ctx.setup.lora_rank
+        or ctx.under_autocast
+        or ctx.setup.strategy is not None
+        or ctx.setup.grad_checkpointing
+        or spec.fused_gate_up
+        or spec.mlp_bias
+        or GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in ctx.kernels
+    ):
+        return []
+    p = ctx.dtypes.proj
+    inter, hidden = tokens * p * spec.intermediate_size, tokens * p * spec.hidden_size
+    weight = ctx.dtypes.param * spec.hidden_size * spec.intermediate_size
+    dropout = bool(spec.residual_dropout) and ctx.output_needs_grad(3)
+    steps: list[BackwardStep] = []
+    if dropout:
+        steps += [("alloc", "g_dropout", hidden), ("free_saved", "mlp.dropout")]
+    steps += [("grad_kept", weight), ("alloc", "g_product", inter)]
+    if dropout:
+        steps += [("free", "g_dropout")]
+    steps += [("free_saved", "mlp.down_in"), ("alloc", "g_act", inter), ("alloc", "g_up", inter)]
+    steps += [("mark",), ("free", "g_product")]
+    steps += [("free_saved", "mlp.act"), ("free_saved_last", "mlp.gate_up")]
+    steps += [("grad_kept", weight), ("alloc", "g_in_up", hidden), ("free", "g_up")]
+    steps += [("alloc", "g_gate", inter), ("free", "g_act"), ("free_saved", "mlp.gate_up")]
+    steps += [("grad_kept", weight), ("alloc", "g_in_gate", hidden), ("free", "g_gate")]
+    steps += [("free_saved", "mlp.in" if spec.post_norm else "norm.mlp.out")]  # its input
+    steps += [("alloc", "g_in", hidden), ("free", "g_in_up"), ("free", "g_in_gate")]
+    return [*steps, ("free", "g_in")]
+
+
+def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
     """Llama 4's MoE block backward, in autograd's order, as allocations, frees and high points
     (bytes for `tokens` rows): the experts' output gradient, a copy of the sum's expanded
     gradient, first; the shared expert's backward (down, up, gate), its input gradient kept; the
@@ -859,7 +905,7 @@ def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[MoeStep]:
     t = tokens
     glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in ctx.kernels
 
-    def weight_grad(key: str, elements: int) -> tuple[list[MoeStep], list[MoeStep]]:
+    def weight_grad(key: str, elements: int) -> tuple[list[BackwardStep], list[BackwardStep]]:
         """A weight's gradient: made where its matmul's backward runs, and, under autocast,
         cast to fp32 once the matmul is done."""
         if not ctx.trainable_base:
@@ -869,7 +915,7 @@ def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[MoeStep]:
         return [("alloc", key, p * elements)], [("grad", d.param * elements), ("free", key)]
 
     # the residual's gradient, fp32 under autocast: the walk's running gradient has p bytes
-    steps: list[MoeStep] = [("alloc", "g_residual", t * (res - p) * h)] if amp else []
+    steps: list[BackwardStep] = [("alloc", "g_residual", t * (res - p) * h)] if amp else []
     if amp:  # the bf16 output's and the fp32 sum's gradients, cast from the residual's
         steps += [("alloc", "g_out", t * p * h), ("alloc", "g_sum", t * FP32 * h)]
     steps += [("alloc", "g_next", t * e * p * h), ("free", "g_sum")]
@@ -920,7 +966,7 @@ def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[MoeStep]:
 
 def scores_attention_backward(
     ctx: LayerContext, tokens: int, o_grads: list[int], rest_grads: list[int]
-) -> list[MoeStep]:
+) -> list[BackwardStep]:
     """The backward of attention that materializes (heads x seq) scores (eager, SDPA's math
     path; latent attention's too, its v heads value_dim wide; not gpt-oss's sinks), in
     autograd's order, as MoeSteps over the layer's entries saved before its MLP: o_proj's (its
@@ -940,7 +986,7 @@ def scores_attention_backward(
     scores_grad = q_grad or k_grad
     heads, scores = tokens * nh * hd, tokens * nh * seq
     values = tokens * nh * spec.value_dim  # latent attention's v heads: narrower than q's
-    steps: list[MoeStep] = [("grad", n) for n in o_grads]
+    steps: list[BackwardStep] = [("grad", n) for n in o_grads]
     if spec.attention_output_gate and q_grad:
         steps += [("alloc", "d_gate", heads * p)]
     steps += [("alloc", "d_out", values * p)]

@@ -22,9 +22,9 @@ from memplan.estimators.contracts import (
     LORA_TARGET_STAGE,
     MLP_AUTOCAST_WEIGHTS,
     SHARED_EXPERT,
+    BackwardStep,
     DtypePlan,
     LayerContext,
-    MoeStep,
     Saved,
     adapters_share_inputs,
     attention_masked,
@@ -34,6 +34,7 @@ from memplan.estimators.contracts import (
     every_expert_moe_backward,
     every_expert_moe_peaks,
     fused_attention_kernel,
+    gated_mlp_backward,
     gemma_norms,
     kv_cache_shares_saved,
     kv_path_saved,
@@ -209,14 +210,15 @@ class ForwardSaved:
     # The attention masks the model's forward makes, alive until it returns (under
     # checkpointing, checkpoint_masks).
     forward_masks: list[int] = field(default_factory=list)
-    # Per layer, the names of the allocations saved after attention, and Llama 4's MoE
-    # backward program (contracts.every_expert_moe_backward; empty elsewhere).
+    # Per layer, the names of the allocations saved after attention, and the MLP block's
+    # backward program (Llama 4's MoE: contracts.every_expert_moe_backward; a dense gated MLP:
+    # contracts.gated_mlp_backward; empty elsewhere).
     after_names: list[list[str]] = field(default_factory=list)
     # The embedding's output, which the model's forward holds through every layer, where the
     # first layer saves none of it as it is and no checkpoint holds it (one allocation, or
     # none).
     embedding_output: list[int] = field(default_factory=list)
-    moe_backward: list[list[MoeStep]] = field(default_factory=list)
+    mlp_backward: list[list[BackwardStep]] = field(default_factory=list)
     # Per layer, the names of the allocations saved before the MLP, as the forward and a
     # checkpointed recomputation make them (the attention's backward frees them by name where
     # it materializes scores: contracts.scores_attention_backward).
@@ -302,7 +304,7 @@ def forward_saved(
     moe_peaks: dict[tuple[bool, ...], list[list[int]]] = {}
     after_names: dict[tuple[bool, ...], list[str]] = {}
     before_names: dict[tuple[bool, ...], tuple[list[str], list[str]]] = {}
-    moe_backward: dict[tuple[bool, ...], list[MoeStep]] = {}
+    mlp_backward: dict[tuple[bool, ...], list[BackwardStep]] = {}
     programs: dict[tuple[bool, ...], dict[str, list[ForwardStep]]] = {}
     unsaved: dict[tuple[bool, ...], list[ForwardStep]] = {}
     for ctx in contexts:
@@ -327,7 +329,13 @@ def forward_saved(
                 saved_names(saved, tokens, AFTER_ATTENTION + layer_input, matching=False),
             )
             every_expert = spec.moe_router == "sigmoid_every_expert" and ctx.output_needs_grad(1)
-            moe_backward[kind] = every_expert_moe_backward(ctx, tokens) if every_expert else []
+            mlp_backward[kind] = (
+                every_expert_moe_backward(ctx, tokens)
+                if every_expert
+                else gated_mlp_backward(ctx, tokens)
+                if ctx.output_needs_grad(2)
+                else []
+            )
     final = Saved()
     norm_saved(
         contexts[-1],
@@ -363,7 +371,7 @@ def forward_saved(
         embedding_output=[]
         if first_norm_keeps_input(contexts[0]) or setup.grad_checkpointing
         else [blocks(tokens * spec.hidden_size * dtypes.residual)],
-        moe_backward=[moe_backward[layer_kind(ctx)] for ctx in contexts],
+        mlp_backward=[mlp_backward[layer_kind(ctx)] for ctx in contexts],
         before_names=[before_names[layer_kind(ctx)][0] for ctx in contexts],
         recomputed_before_names=[before_names[layer_kind(ctx)][1] for ctx in contexts],
         forward_programs=[programs[layer_kind(ctx)] for ctx in contexts],
@@ -712,7 +720,7 @@ class StepSizes:
     autotuned_layer: int | None
     # per layer, the attention backward as a program where it materializes scores (its saved
     # tensors freed by name), else empty: attention_bwd_transient's mark instead
-    attention_bwd_steps: list[list[MoeStep]]
+    attention_bwd_steps: list[list[BackwardStep]]
     gradients: list[LayerGradients]  # per layer, its weights' gradients (layer_gradients)
     flce_autocast_copies: list[int]
     flce_steps: list[tuple[str, str, int]]
@@ -984,7 +992,7 @@ def qkv_widths(layer: ModelSpec) -> tuple[int, int, int]:
 
 def scores_backward_steps(
     ctx: LayerContext, tokens: int, gradients: LayerGradients
-) -> list[MoeStep]:
+) -> list[BackwardStep]:
     """A layer's attention backward as contracts.scores_attention_backward's program where it
     materializes scores (gpt-oss's sinks: sink_attention_backward_held); empty elsewhere.
     Where nothing before o_proj needs a gradient, o_proj's backward alone."""
@@ -1740,17 +1748,18 @@ def walk_step(
             ),
         ):
             builder.at("backward", label)
-            if part == "mlp" and saved.moe_backward and saved.moe_backward[index]:
+            if part == "mlp" and saved.mlp_backward and saved.mlp_backward[index]:
                 names = saved.after_names[index]
-                program = saved.moe_backward[index]
-                grads = play_moe_backward(builder, program, names, kept, label, accumulating)
+                program = saved.mlp_backward[index]
+                kept_here = None if layout.owns_gradients() else run.gradients
+                grads = play_backward(builder, program, names, kept, label, accumulating, kept_here)
                 keep_gradients(f"layer {index}", part, *grads)
                 play_scratch(builder, label, scratch[part == "attention"])
                 continue
             if part == "attention" and sizes.attention_bwd_steps[index]:
                 names = (saved.recomputed_before_names if ckpt else saved.before_names)[index]
                 program = sizes.attention_bwd_steps[index]
-                grads = play_moe_backward(builder, program, names, kept, label, accumulating)
+                grads = play_backward(builder, program, names, kept, label, accumulating)
                 keep_gradients(f"layer {index}", part, *grads)
                 play_scratch(builder, label, scratch[part == "attention"])
                 continue
@@ -1918,8 +1927,8 @@ def alloc_saved_after(
     grad: bool = True,
 ) -> list[int]:
     """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
-    them one by one (ForwardSaved.moe_backward), else as alloc_all makes them."""
-    by_name = bool(saved.moe_backward and saved.moe_backward[index])
+    them one by one (ForwardSaved.mlp_backward), else as alloc_all makes them."""
+    by_name = bool(saved.mlp_backward and saved.mlp_backward[index])
     programs = saved.forward_programs[index] if saved.forward_programs else {}
     names = saved.after_names[index]
     return alloc_saved(builder, sizes, by_name, category, names, programs, marked, grad)
@@ -2000,19 +2009,22 @@ def play_forward(
     return kept
 
 
-def play_moe_backward(
+def play_backward(
     builder: StepBuilder,
-    steps: list[MoeStep],
+    steps: list[BackwardStep],
     names: list[str],
     kept: list[int],
     label: str,
     accumulating: bool,
+    gradients: list[int] | None = None,
 ) -> list[int]:
-    """Llama 4's MoE backward (contracts.every_expert_moe_backward) on the walk: its
-    temporaries, the saved allocations it frees as it goes (`kept`, named by `names`), its
-    high points; the rest of `kept` freed at its end. Returns its weights' gradients, in order,
-    for the caller to keep (allocated there, after the last high point); `accumulating`: each
-    is added into the one kept as soon as it is made, and holds nothing at the high points."""
+    """A backward program (contracts.BackwardStep) on the walk: its temporaries, the saved
+    allocations it frees as it goes (`kept`, named by `names`), its high points; the rest of
+    `kept` freed at its end. Returns the gradients of its "grad" steps, in order, for the
+    caller to keep (allocated there, after the last high point); those of its "grad_kept"
+    steps are allocated where they are made and added to `gradients` (where given and not
+    `accumulating`), else returned as the others. `accumulating`: each gradient is added into
+    the one kept as soon as it is made, and holds nothing at the high points."""
     temporaries: dict[str, int | None] = {}
     saved = dict(enumerate(zip(names, kept, strict=True)))
     by_name: dict[str, list[int]] = {}
@@ -2025,13 +2037,15 @@ def play_moe_backward(
             temporaries[step[1]] = builder.alloc("transient", step[2])
         elif action == "free":
             builder.free(temporaries.pop(step[1], None))
-        elif action in ("free_saved", "free_saved_one"):
+        elif action.startswith("free_saved"):
             keys = by_name.get(step[1], [])
-            chosen = keys[:1] if action == "free_saved_one" else list(keys)
-            for key in chosen:
+            chosen = {"free_saved_one": keys[:1], "free_saved_last": keys[-1:]}.get(action, keys)
+            for key in list(chosen):
                 builder.free(saved.pop(key)[1])
-            del keys[: len(chosen)]
-        elif action == "grad":
+                keys.remove(key)
+        elif action == "grad_kept" and gradients is not None and not accumulating:
+            gradients += builder.alloc_all("gradients", [step[1]])
+        elif action in ("grad", "grad_kept"):
             grads.append(step[1])
             made = 0 if accumulating else step[1]
             temporaries[f"grad {len(grads)}"] = builder.alloc("gradients", made)
