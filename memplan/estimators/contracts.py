@@ -969,7 +969,7 @@ def scores_attention_backward(
 ) -> list[BackwardStep]:
     """The backward of attention that materializes (heads x seq) scores (eager, SDPA's math
     path; latent attention's too, its v heads value_dim wide; not gpt-oss's sinks), in
-    autograd's order, as MoeSteps over the layer's entries saved before its MLP: o_proj's (its
+    autograd's order, as BackwardSteps over the layer's entries saved before its MLP: o_proj's (its
     weight gradients `o_grads`, its input's gradient, what it saved freed; the output gate's
     gradient, held until q's joins it in q_proj's output), matmul(probs, v)'s
     (d(v) repeated to all heads and d(probs); the cast or dropped probabilities and the
