@@ -387,20 +387,21 @@ def largest_seq(
     )
 
 
-# The packages whose kernels transformers runs for a gated DeltaNet layer in place of its
-# torch fallback, by import name: fla's chunked delta rule (deltanet_kernels="fla") and
-# causal-conv1d's conv (deltanet_conv="causal_conv1d").
-DELTANET_FAST_PACKAGES = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+# A gated DeltaNet layer's kernels that transformers takes from a package where it imports, by
+# TrainSetup field: (the import name, which is also the field's value then; the distribution).
+# fla's chunked delta rule and causal-conv1d's conv; "torch" where the package does not import.
+DELTANET_FAST_PACKAGES = {
+    "deltanet_kernels": ("fla", "flash-linear-attention"),
+    "deltanet_conv": ("causal_conv1d", "causal-conv1d"),
+}
 
 
-def installed_deltanet_kernels() -> str:
-    """Whose chunked delta rule transformers would run here: fla's where it imports."""
-    return "fla" if find_spec("fla") else "torch"
-
-
-def installed_deltanet_conv() -> str:
-    """Whose causal conv transformers would run here: causal-conv1d's where it imports."""
-    return "causal_conv1d" if find_spec("causal_conv1d") else "torch"
+def installed_deltanet() -> dict[str, str]:
+    """The gated DeltaNet kernels transformers would run here, by TrainSetup field."""
+    return {
+        field: module if find_spec(module) else "torch"
+        for field, (module, _) in DELTANET_FAST_PACKAGES.items()
+    }
 
 
 def deltanet_note(spec: ModelSpec, setup: TrainSetup) -> list[str]:
@@ -416,12 +417,11 @@ def deltanet_note(spec: ModelSpec, setup: TrainSetup) -> list[str]:
     )
     conv = "causal-conv1d's" if setup.deltanet_conv == "causal_conv1d" else "torch's"
     note = f"{layers} are estimated with {rule} and {conv} causal conv"
-    assumed = {"fla": setup.deltanet_kernels == "fla"}
-    assumed["causal_conv1d"] = setup.deltanet_conv == "causal_conv1d"
+    here = installed_deltanet()
     differ = [
-        f"{DELTANET_FAST_PACKAGES[m]} {'does not import' if used else 'imports'}"
-        for m, used in assumed.items()
-        if used != bool(find_spec(m))
+        f"{package} {'imports' if here[field] == module else 'does not import'}"
+        for field, (module, package) in DELTANET_FAST_PACKAGES.items()
+        if getattr(setup, field) != here[field]
     ]
     if differ:
         note += f"; {' and '.join(differ)} here, so transformers would run other kernels here"
@@ -567,6 +567,9 @@ def advise(
     if lora_rank:
         check_lora_targets(spec, targets)
         check_lora_rank(spec, lora_rank, targets)
+    deltanet = installed_deltanet()  # what transformers would run here, unless asked
+    asked_deltanet = {"deltanet_kernels": deltanet_kernels, "deltanet_conv": deltanet_conv}
+    deltanet.update({field: kernel for field, kernel in asked_deltanet.items() if kernel})
     base = make_setup(
         batch=batch,
         seq=seq,
@@ -584,10 +587,7 @@ def advise(
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
         count_vision_tower=count_vision_tower,
-        deltanet_kernels=installed_deltanet_kernels()
-        if deltanet_kernels is None
-        else deltanet_kernels,
-        deltanet_conv=installed_deltanet_conv() if deltanet_conv is None else deltanet_conv,
+        **deltanet,
     )
     warnings = []
     base, asked = as_run_by(spec.model_type, base, release), base

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from memplan.advisor import installed_deltanet_conv, installed_deltanet_kernels
+from memplan.advisor import installed_deltanet
 from memplan.catalog import spec_from_config
 from memplan.estimators.timeline import forward_saved
 from memplan.schema import TrainSetup
@@ -67,15 +67,10 @@ def test_saved_bytes_match_the_contract(model_type, extra, seq, precision, saved
     measured = saved_storage_bytes(forward, model)
     spec = spec_from_config(config.to_dict())
 
-    def predicted(rule: str, conv: str) -> int:
-        setup = TrainSetup(
-            batch=PROBE["batch"],
-            seq=seq,
-            precision=precision,
-            deltanet_kernels=rule,
-            deltanet_conv=conv,
-        )
+    def predicted(**deltanet: str) -> int:
+        setup = TrainSetup(batch=PROBE["batch"], seq=seq, precision=precision, **deltanet)
         return forward_saved(spec, setup, backend="cuda", rounded=False).total
 
-    assert predicted("torch", "torch") != measured  # transformers took a fast kernel
-    assert predicted(installed_deltanet_kernels(), installed_deltanet_conv()) == measured
+    torch_only = predicted(deltanet_kernels="torch", deltanet_conv="torch")
+    assert torch_only != measured  # transformers took a fast kernel
+    assert predicted(**installed_deltanet()) == measured

@@ -856,6 +856,7 @@ def gated_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
     spec = ctx.spec
     if (
         ctx.moe
+        or not ctx.output_needs_grad(2)
         or not ctx.trainable_base
         or ctx.setup.lora_rank
         or ctx.under_autocast

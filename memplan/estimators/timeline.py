@@ -214,11 +214,11 @@ class ForwardSaved:
     # backward program (Llama 4's MoE: contracts.every_expert_moe_backward; a dense gated MLP:
     # contracts.gated_mlp_backward; empty elsewhere).
     after_names: list[list[str]] = field(default_factory=list)
+    mlp_backward: list[list[BackwardStep]] = field(default_factory=list)
     # The embedding's output, which the model's forward holds through every layer, where the
     # first layer saves none of it as it is and no checkpoint holds it (one allocation, or
     # none).
     embedding_output: list[int] = field(default_factory=list)
-    mlp_backward: list[list[BackwardStep]] = field(default_factory=list)
     # Per layer, the names of the allocations saved before the MLP, as the forward and a
     # checkpointed recomputation make them (the attention's backward frees them by name where
     # it materializes scores: contracts.scores_attention_backward).
@@ -333,8 +333,6 @@ def forward_saved(
                 every_expert_moe_backward(ctx, tokens)
                 if every_expert
                 else gated_mlp_backward(ctx, tokens)
-                if ctx.output_needs_grad(2)
-                else []
             )
     final = Saved()
     norm_saved(
@@ -1926,8 +1924,8 @@ def alloc_saved_after(
     marked: bool = True,
     grad: bool = True,
 ) -> list[int]:
-    """A layer's allocations saved after attention: one each where Llama 4's MoE backward frees
-    them one by one (ForwardSaved.mlp_backward), else as alloc_all makes them."""
+    """A layer's allocations saved after attention: one each where the MLP's backward program
+    frees them one by one (ForwardSaved.mlp_backward), else as alloc_all makes them."""
     by_name = bool(saved.mlp_backward and saved.mlp_backward[index])
     programs = saved.forward_programs[index] if saved.forward_programs else {}
     names = saved.after_names[index]

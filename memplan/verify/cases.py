@@ -281,13 +281,10 @@ def plan_cases(
         )
     keys = list(sweeps)
     planned: list[PlannedCase] = []
-    from memplan.advisor import installed_deltanet_conv, installed_deltanet_kernels
+    from memplan.advisor import installed_deltanet
 
     # the gated DeltaNet kernels transformers will run where the case runs, as advise takes them
-    deltanet = {
-        "deltanet_kernels": installed_deltanet_kernels(),
-        "deltanet_conv": installed_deltanet_conv(),
-    }
+    deltanet = installed_deltanet()
     uncut, full_checkpoint = resolve_spec(model, trust_remote_code=trust_remote_code)
     uncut_name = _display_name(uncut)
     seen: dict[str, int] = {}

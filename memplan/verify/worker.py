@@ -224,21 +224,18 @@ def _check_deltanet_kernels(case: VerifyCase) -> None:
     """The gated DeltaNet kernels the case asks are the ones transformers will run here: fla's
     rule where the `fla` package imports, causal-conv1d's conv where `causal_conv1d` does, and
     the torch fallback for what does not import."""
-    from memplan.advisor import installed_deltanet_conv, installed_deltanet_kernels
+    from memplan.advisor import DELTANET_FAST_PACKAGES, installed_deltanet
 
     spec = _case_spec(case)
     if spec is None or not spec.linear_attention_layers:
         return
-    checks = [
-        ("deltanet_kernels", installed_deltanet_kernels(), "flash-linear-attention"),
-        ("deltanet_conv", installed_deltanet_conv(), "causal-conv1d"),
-    ]
-    for field, installed, package in checks:
+    here = installed_deltanet()
+    for field, (_, package) in DELTANET_FAST_PACKAGES.items():
         asked = getattr(case.setup, field)
-        if asked != installed:
-            here = "does not import" if installed == "torch" else "imports"
+        if asked != here[field]:
+            imports = "does not import" if here[field] == "torch" else "imports"
             message = (
-                f"the case asks {field}={asked} but {package} {here} here, so transformers "
+                f"the case asks {field}={asked} but {package} {imports} here, so transformers "
                 "would run another kernel"
             )
             raise _Failure("build", message, protocol.EXIT_BUILD)
