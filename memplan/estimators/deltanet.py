@@ -132,8 +132,8 @@ def torch_rule_saved(ctx: LayerContext, out: Saved, cached: bool) -> None:
         # the decayed key where a later chunk or the cached final state reads it, the decayed
         # query where a chunk reads a state that needs a gradient (from the second chunk on)
         fixed += [FP32 * nv * dk * padded] * ((c > 1 or cached) + (c > 1))
-        fixed += [FP32 * nv * dk * dv * batch * c]  # a state per chunk
-        fixed += [FP32 * nv * dv * padded]  # v_new
+        # the loop over chunks: each chunk's v_new and the state it writes, one tensor each
+        fixed += [FP32 * nv * dv * batch * CHUNK, FP32 * nv * dk * dv * batch] * c
     if fp32_views and seq % CHUNK == 0:
         fixed += [FP32 * nv * dk * padded] * 4  # strided operands the chunk matmuls copy
     for nbytes in fixed:
