@@ -386,7 +386,8 @@ def layer_autocast_copies(
     """One layer's autocast copies of its trainable weights under checkpointing, where the
     walk makes them layer by layer (walked_tensor_by_tensor): the attention's, the MoE
     block's (EVERY_EXPERT_AUTOCAST_NAMES' order); None elsewhere."""
-    trained = ctx.trainable_base and ctx.under_autocast and ctx.setup.grad_checkpointing
+    # copies only where autocast casts stored weights (not FSDP2's or ZeRO's bf16 gathers)
+    trained = ctx.trainable_base and ctx.dtypes.autocast and ctx.setup.grad_checkpointing
     if not (trained and walked_tensor_by_tensor(spec)):
         return None
     copies = [blocks(ctx.dtypes.proj * n) for n in autocast_weight_tensors(spec, 0, True)]
@@ -405,7 +406,7 @@ def autocast_copies_by_layer(
     if walked_tensor_by_tensor(spec):
         copies = layer_autocast_copies(spec, ctx, blocks)
         return None if copies is None else [copies] * len(contexts)
-    if not (ctx.trainable_base and ctx.under_autocast and ctx.setup.grad_checkpointing):
+    if not (ctx.trainable_base and ctx.dtypes.autocast and ctx.setup.grad_checkpointing):
         return None
     return [
         ([blocks(c.dtypes.proj * n) for n in autocast_weight_tensors(c.spec, 0, c.moe)], [])
