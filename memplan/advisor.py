@@ -85,10 +85,12 @@ EDGE_WARNING = (
 )
 # fla autotunes kernels at a process's first step at each batch size, beside the step's peak
 FLA_AUTOTUNE_WARNING = (
-    "flash-linear-attention tunes its kernels in the first step at each batch size, and "
-    "Triton's tuning buffers come beside the step's peak, in step 1 only; a tuning that runs out "
-    "of memory is not cached: one step at the same batch and a short sequence caches it before "
-    "the long run (docs/fit_verdict.md)"
+    "flash-linear-attention tunes its kernels in the first step of a process whose Triton cache "
+    "lacks them: Triton's tuning buffers come beside step 1's peak, and a configuration that "
+    "spills registers takes CUDA local memory outside PyTorch's allocator for the rest of the "
+    "process (6.1 GiB on an H200 with Triton 3.6); a tuning that runs out of memory is not "
+    "cached: one step at the same batch and a short sequence caches it before the long run "
+    "(docs/fit_verdict.md)"
 )
 
 # Past a few thousand rows a chunk's (rows x hidden) @ (hidden x vocab) GEMM runs near the
