@@ -1,12 +1,16 @@
-"""A dense gated MLP's backward program (contracts.gated_mlp_backward) against the layer's saved
-tensors: each name it frees is one the layer saves after attention, it frees every one the MLP
-saves, and it keeps the MLP's three weight gradients; where another rule applies it is empty."""
+"""A dense gated MLP's backward program (contracts.gated_mlp_backward, and
+glu_kernel_mlp_backward with memplan's GLU kernel under FSDP2's mixed precision) against the
+layer's saved tensors: each name it frees is one the layer saves after attention, it frees every
+one the MLP saves, and it keeps the MLP's three weight gradients; where another rule applies it is
+empty."""
 
 from __future__ import annotations
 
 import pytest
 
 from memplan.catalog import resolve_model
+from memplan.estimators.contracts import runs_under_autocast
+from memplan.estimators.parallel import computed_setup
 from memplan.estimators.timeline import forward_saved
 from memplan.schema import TrainSetup
 
@@ -35,9 +39,36 @@ def test_the_program_frees_what_the_mlp_saves_and_keeps_its_gradients(model, pre
         {"lora_rank": 8},
         {"precision": "amp-bf16"},
         {"kernels": ("swiglu",)},
+        {"kernels": ("swiglu",), "precision": "amp-bf16"},
         {"strategy": "ddp", "gpus": 2},
     ],
 )
 def test_the_program_is_empty_where_the_mlp_mark_stands(options):
     saved = forward_saved(resolve_model("llama-3.2-1b"), TrainSetup(batch=1, seq=128, **options))
     assert not any(saved.mlp_backward)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_glu_kernel_program_under_fsdp2_mixed_precision(checkpointing):
+    """down_proj saves the product inside autocast; the high point holds it, gate, up,
+    d(product) and down_proj's weight gradient only; the input gradients come after."""
+    spec = resolve_model("llama-3.2-1b")
+    setup = TrainSetup(
+        batch=1,
+        seq=128,
+        precision="amp-bf16",
+        kernels=("swiglu",),
+        strategy="fsdp2",
+        gpus=8,
+        grad_checkpointing=checkpointing,
+    )
+    saved = forward_saved(spec, computed_setup(setup), under_autocast=runs_under_autocast(setup))
+    weight = 2 * spec.hidden_size * spec.intermediate_size  # bf16, as FSDP2 gathers it
+    for program, names in zip(saved.mlp_backward, saved.after_names, strict=True):
+        assert {n for n in names if n.startswith("mlp.")} == {"mlp.gate_up", "mlp.down_in"}
+        freed = [step[1] for step in program if step[0].startswith("free_saved")]
+        assert freed == ["mlp.down_in", "mlp.gate_up", "mlp.gate_up", "norm.mlp.out"]
+        assert [step[1] for step in program if step[0] == "grad_kept"] == [weight] * 3
+        mark = program.index(("mark",))
+        before = program[:mark]
+        assert [s[0] for s in before] == ["grad_kept", "alloc"]  # dW_down, then d(product)

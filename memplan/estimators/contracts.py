@@ -852,8 +852,12 @@ def gated_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
     d(gate), gate freed; gate_proj's weight and input gradients, the MLP's input freed (the
     norm's output, or the residual stream after a post-norm layer's attention); their sum, the
     input's gradient. Each weight gradient is kept where it is made. Empty where the MLP's
-    mark stands instead (timeline.mlp_backward_transient)."""
+    mark stands instead (timeline.mlp_backward_transient); glu_kernel_mlp_backward's where
+    that applies."""
     spec = ctx.spec
+    glu_program = glu_kernel_mlp_backward(ctx, tokens)
+    if glu_program:
+        return glu_program
     if (
         ctx.moe
         or not ctx.output_needs_grad(2)
@@ -883,6 +887,49 @@ def gated_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
     steps += [("grad_kept", weight), ("alloc", "g_in_up", hidden), ("free", "g_up")]
     steps += [("alloc", "g_gate", inter), ("free", "g_act"), ("free_saved", "mlp.gate_up")]
     steps += [("grad_kept", weight), ("alloc", "g_in_gate", hidden), ("free", "g_gate")]
+    steps += [("free_saved", "mlp.in" if spec.post_norm else "norm.mlp.out")]  # its input
+    steps += [("alloc", "g_in", hidden), ("free", "g_in_up"), ("free", "g_in_gate")]
+    return [*steps, ("free", "g_in")]
+
+
+def glu_kernel_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
+    """A dense gated MLP's backward with memplan's GLU kernel where down_proj saves the product
+    (the kernel leaves down_proj to nn.Linear inside autocast), in autograd's order: down_proj's
+    weight gradient, d(product) (the high point, beside gate, up and the product), the product
+    freed; the kernel writes d(gate) and d(up) over gate and up and frees d(product); up_proj's
+    weight and input gradients, up freed; gate_proj's, gate freed; the MLP's input freed; their
+    sum. Modelled where the weights autocast computes with are bf16 already (FSDP2's
+    mixed-precision gathers: an H200 allocator trace of llama-3.2-3b's checkpointed layers
+    shows this order; elsewhere autocast's weight copies and fp32 gradients take part); empty
+    elsewhere."""
+    spec = ctx.spec
+    if (
+        ctx.moe
+        or not ctx.output_needs_grad(2)
+        or not ctx.trainable_base
+        or ctx.setup.lora_rank
+        or not ctx.under_autocast
+        or ctx.dtypes.autocast
+        or spec.fused_gate_up
+        or spec.mlp_bias
+        or GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) not in ctx.kernels
+    ):
+        return []
+    p = ctx.dtypes.proj
+    inter, hidden = tokens * p * spec.intermediate_size, tokens * p * spec.hidden_size
+    weight = ctx.dtypes.param * spec.hidden_size * spec.intermediate_size
+    dropout = bool(spec.residual_dropout) and ctx.output_needs_grad(3)
+    steps: list[BackwardStep] = []
+    if dropout:
+        steps += [("alloc", "g_dropout", hidden), ("free_saved", "mlp.dropout")]
+    steps += [("grad_kept", weight), ("alloc", "g_product", inter), ("mark",)]
+    if dropout:
+        steps += [("free", "g_dropout")]
+    steps += [("free_saved", "mlp.down_in"), ("free", "g_product")]
+    steps += [("grad_kept", weight), ("alloc", "g_in_up", hidden)]
+    steps += [("free_saved_last", "mlp.gate_up")]
+    steps += [("grad_kept", weight), ("alloc", "g_in_gate", hidden)]
+    steps += [("free_saved", "mlp.gate_up")]
     steps += [("free_saved", "mlp.in" if spec.post_norm else "norm.mlp.out")]  # its input
     steps += [("alloc", "g_in", hidden), ("free", "g_in_up"), ("free", "g_in_gate")]
     return [*steps, ("free", "g_in")]
