@@ -1,8 +1,7 @@
-"""A dense gated MLP's backward program (contracts.gated_mlp_backward, and
-glu_kernel_mlp_backward with memplan's GLU kernel under FSDP2's mixed precision) against the
-layer's saved tensors: each name it frees is one the layer saves after attention, it frees every
-one the MLP saves, and it keeps the MLP's three weight gradients; where another rule applies it is
-empty."""
+"""A dense gated MLP's backward program (contracts.gated_mlp_backward, with and without
+memplan's GLU kernel inside FSDP2's mixed precision) against the layer's saved tensors: each name
+it frees is one the layer saves after attention, it frees every one the MLP saves, and it keeps
+the MLP's three weight gradients; where another rule applies it is empty."""
 
 from __future__ import annotations
 

@@ -843,32 +843,36 @@ BackwardStep = tuple
 
 
 def gated_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
-    """A dense gated MLP's backward in autograd's order (the traced step's), for a trained
-    layer on one GPU with separate gate and up projections, no biases, no autocast, no GLU
-    kernel and no checkpointing (with it this order alone moved recorded reserved peaks away
-    from the GPU's: docs/accuracy.md). The residual dropout's gradient (where it saves a mask);
-    down_proj's weight gradient, d(product), its saved input freed; d(act) and d(up) (the high
-    point), the product's factors freed, up's first; up_proj's weight and input gradients;
-    d(gate), gate freed; gate_proj's weight and input gradients, the MLP's input freed (the
-    norm's output, or the residual stream after a post-norm layer's attention); their sum, the
-    input's gradient. Each weight gradient is kept where it is made. Empty where the MLP's
-    mark stands instead (timeline.mlp_backward_transient); glu_kernel_mlp_backward's where
-    that applies."""
+    """A dense gated MLP's backward in autograd's order (the traced step's, and H200 allocator
+    traces' under FSDP2), for a trained layer with separate gate and up projections and no
+    biases. The residual dropout's gradient (where it saves a mask); down_proj's weight
+    gradient and d(product); then
+
+    - without autocast, memplan's GLU kernel, a strategy or checkpointing (with it this order
+      alone moved recorded reserved peaks away from the GPU's: docs/accuracy.md): the saved
+      product freed, d(act) and d(up) (the high point), the product's factors freed, up's
+      first; up_proj's weight and input gradients; d(gate), gate freed; gate_proj's;
+    - with memplan's GLU kernel inside FSDP2's mixed precision (down_proj saves the product
+      in autocast; the weights are gathered in bf16): the high point at d(product), beside
+      gate, up, the product and down_proj's weight gradient; the product and d(product) freed
+      (the kernel writes d(gate) and d(up) over gate and up); up_proj's weight and input
+      gradients, up freed; gate_proj's, gate freed (docs/distributed.md);
+
+    the MLP's input freed (the norm's output, or the residual stream after a post-norm layer's
+    attention); the input gradients' sum. Each weight gradient is kept where it is made. Empty
+    elsewhere, where the MLP's mark stands instead (timeline.mlp_backward_transient)."""
     spec = ctx.spec
-    glu_program = glu_kernel_mlp_backward(ctx, tokens)
-    if glu_program:
-        return glu_program
+    glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in ctx.kernels
+    saved_product = glu and ctx.under_autocast and not ctx.dtypes.autocast
+    plain = not (glu or ctx.under_autocast or ctx.setup.strategy or ctx.setup.grad_checkpointing)
     if (
-        ctx.moe
+        not (plain or saved_product)
+        or ctx.moe
         or not ctx.output_needs_grad(2)
         or not ctx.trainable_base
         or ctx.setup.lora_rank
-        or ctx.under_autocast
-        or ctx.setup.strategy is not None
-        or ctx.setup.grad_checkpointing
         or spec.fused_gate_up
         or spec.mlp_bias
-        or GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in ctx.kernels
     ):
         return []
     p = ctx.dtypes.proj
@@ -879,57 +883,22 @@ def gated_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
     if dropout:
         steps += [("alloc", "g_dropout", hidden), ("free_saved", "mlp.dropout")]
     steps += [("grad_kept", weight), ("alloc", "g_product", inter)]
+    if saved_product:
+        steps += [("mark",)]
     if dropout:
         steps += [("free", "g_dropout")]
-    steps += [("free_saved", "mlp.down_in"), ("alloc", "g_act", inter), ("alloc", "g_up", inter)]
-    steps += [("mark",), ("free", "g_product")]
-    steps += [("free_saved", "mlp.act"), ("free_saved_last", "mlp.gate_up")]
-    steps += [("grad_kept", weight), ("alloc", "g_in_up", hidden), ("free", "g_up")]
-    steps += [("alloc", "g_gate", inter), ("free", "g_act"), ("free_saved", "mlp.gate_up")]
-    steps += [("grad_kept", weight), ("alloc", "g_in_gate", hidden), ("free", "g_gate")]
-    steps += [("free_saved", "mlp.in" if spec.post_norm else "norm.mlp.out")]  # its input
-    steps += [("alloc", "g_in", hidden), ("free", "g_in_up"), ("free", "g_in_gate")]
-    return [*steps, ("free", "g_in")]
-
-
-def glu_kernel_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
-    """A dense gated MLP's backward with memplan's GLU kernel where down_proj saves the product
-    (the kernel leaves down_proj to nn.Linear inside autocast), in autograd's order: down_proj's
-    weight gradient, d(product) (the high point, beside gate, up and the product), the product
-    freed; the kernel writes d(gate) and d(up) over gate and up and frees d(product); up_proj's
-    weight and input gradients, up freed; gate_proj's, gate freed; the MLP's input freed; their
-    sum. Modelled where the weights autocast computes with are bf16 already (FSDP2's
-    mixed-precision gathers: an H200 allocator trace of llama-3.2-3b's checkpointed layers
-    shows this order; elsewhere autocast's weight copies and fp32 gradients take part); empty
-    elsewhere."""
-    spec = ctx.spec
-    if (
-        ctx.moe
-        or not ctx.output_needs_grad(2)
-        or not ctx.trainable_base
-        or ctx.setup.lora_rank
-        or not ctx.under_autocast
-        or ctx.dtypes.autocast
-        or spec.fused_gate_up
-        or spec.mlp_bias
-        or GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) not in ctx.kernels
-    ):
-        return []
-    p = ctx.dtypes.proj
-    inter, hidden = tokens * p * spec.intermediate_size, tokens * p * spec.hidden_size
-    weight = ctx.dtypes.param * spec.hidden_size * spec.intermediate_size
-    dropout = bool(spec.residual_dropout) and ctx.output_needs_grad(3)
-    steps: list[BackwardStep] = []
-    if dropout:
-        steps += [("alloc", "g_dropout", hidden), ("free_saved", "mlp.dropout")]
-    steps += [("grad_kept", weight), ("alloc", "g_product", inter), ("mark",)]
-    if dropout:
-        steps += [("free", "g_dropout")]
-    steps += [("free_saved", "mlp.down_in"), ("free", "g_product")]
-    steps += [("grad_kept", weight), ("alloc", "g_in_up", hidden)]
-    steps += [("free_saved_last", "mlp.gate_up")]
-    steps += [("grad_kept", weight), ("alloc", "g_in_gate", hidden)]
-    steps += [("free_saved", "mlp.gate_up")]
+    steps += [("free_saved", "mlp.down_in")]
+    if saved_product:
+        steps += [("free", "g_product"), ("grad_kept", weight), ("alloc", "g_in_up", hidden)]
+        steps += [("free_saved_last", "mlp.gate_up"), ("grad_kept", weight)]
+        steps += [("alloc", "g_in_gate", hidden), ("free_saved", "mlp.gate_up")]
+    else:
+        steps += [("alloc", "g_act", inter), ("alloc", "g_up", inter)]
+        steps += [("mark",), ("free", "g_product")]
+        steps += [("free_saved", "mlp.act"), ("free_saved_last", "mlp.gate_up")]
+        steps += [("grad_kept", weight), ("alloc", "g_in_up", hidden), ("free", "g_up")]
+        steps += [("alloc", "g_gate", inter), ("free", "g_act"), ("free_saved", "mlp.gate_up")]
+        steps += [("grad_kept", weight), ("alloc", "g_in_gate", hidden), ("free", "g_gate")]
     steps += [("free_saved", "mlp.in" if spec.post_norm else "norm.mlp.out")]  # its input
     steps += [("alloc", "g_in", hidden), ("free", "g_in_up"), ("free", "g_in_gate")]
     return [*steps, ("free", "g_in")]
