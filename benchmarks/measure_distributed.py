@@ -227,6 +227,7 @@ AMP_CHECKPOINTED: list[tuple[str, int | None, str, dict[str, Any]]] = [
         ("llama-3.2-3b", "none", 4, 8),
         ("llama-3.2-3b", "auto", 8, 16),
         ("gemma-2b", "auto", 8, 2),
+        ("qwen3-1.7b", "auto", 8, 8),  # predicted after the GLU-kernel MLP order, before it ran
     )
 ]
 
