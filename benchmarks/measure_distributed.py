@@ -39,7 +39,6 @@ from memplan.advisor import advise  # noqa: E402
 from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
 from memplan.verify.predict import with_layers  # noqa: E402
 
-AMP_GC = {"precision": "amp-bf16", "grad_checkpointing": True}
 # (model, decoder layers kept (None: all), kernels "auto"|"none", setup fields)
 CASES: list[tuple[str, int | None, str, dict[str, Any]]] = [
     ("llama-3.2-1b", None, "none", {"batch": 4, "strategy": "fsdp2", "gpus": 2}),
@@ -216,9 +215,8 @@ CASES: list[tuple[str, int | None, str, dict[str, Any]]] = [
     ("llama-3.2-1b", None, "auto", {"batch": 4, "strategy": "zero3", "gpus": 2}),
 ]
 SEQ = 2048
-# FSDP2 under autocast with checkpointing on models and counts not measured before: the walk
-# holds no autocast weight copies there (the policy gathers bf16 weights), which was decided
-# on the llama-3.1-8b and qwen3-0.6b cases above
+# FSDP2 under autocast with checkpointing, on models and counts that CASES leaves out
+AMP_GC = {"precision": "amp-bf16", "grad_checkpointing": True}
 AMP_CHECKPOINTED: list[tuple[str, int | None, str, dict[str, Any]]] = [
     (model, None, kernels, {"batch": batch, "strategy": "fsdp2", "gpus": gpus, **AMP_GC})
     for model, kernels, batch, gpus in (
@@ -227,7 +225,7 @@ AMP_CHECKPOINTED: list[tuple[str, int | None, str, dict[str, Any]]] = [
         ("llama-3.2-3b", "none", 4, 8),
         ("llama-3.2-3b", "auto", 8, 16),
         ("gemma-2b", "auto", 8, 2),
-        ("qwen3-1.7b", "auto", 8, 8),  # predicted after the GLU-kernel MLP order, before it ran
+        ("qwen3-1.7b", "auto", 8, 8),
     )
 ]
 

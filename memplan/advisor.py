@@ -83,7 +83,7 @@ EDGE_WARNING = (
     "default allocator decides the fit and the prediction is least sure (docs/fit_verdict.md): "
     "run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 )
-# fla autotunes kernels at a process's first step at each batch size, beside the step's peak
+# fla's first step can hold more than the walk's stream: its tuning, where Triton has not cached it
 FLA_AUTOTUNE_WARNING = (
     "flash-linear-attention tunes its kernels in the first step of a process whose Triton cache "
     "lacks them: Triton's tuning buffers come beside step 1's peak, and a configuration that "

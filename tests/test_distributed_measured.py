@@ -7,6 +7,7 @@ gathers had put two of these cases +5.4% and +21% over."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -22,17 +23,24 @@ FILES = {
     "results_distributed_amp_checkpointed_h200.json": "H200",
     "results_distributed_amp_checkpointed_2_h200.json": "H200",
 }
+
+
+@cache
+def measurements(name: str) -> list:
+    return load_reports([BENCHMARKS / name]).measurements
+
+
 CASES = [
     (name, index, m.case)
     for name in FILES
-    for index, m in enumerate(load_reports([BENCHMARKS / name]).measurements)
+    for index, m in enumerate(measurements(name))
     if m.status == "ok"
 ]
 
 
 @pytest.mark.parametrize("name,index,case", CASES, ids=[c for _, _, c in CASES])
 def test_rank_0_allocates_what_it_measured(name: str, index: int, case: str) -> None:
-    m = load_reports([BENCHMARKS / name]).measurements[index]
+    m = measurements(name)[index]
     gpu = measured_gpu(m, resolve_gpu(FILES[name]))
     assert gpu is not None
     predicted = estimate(spec_from_hf_config(m.hf_config, m.model), ran_setup(m), gpu)
