@@ -17,6 +17,7 @@ from typing import Literal
 from memplan.estimators import kernel_contracts as kc
 from memplan.estimators.cudnn import CUDNN_RELEASE, cudnn_trains
 from memplan.estimators.deltanet import deltanet_saved
+from memplan.estimators.events import ForwardStep
 from memplan.estimators.params import (
     LORA_TARGET_SHAPES,
     deltanet_projection_widths,
@@ -904,6 +905,37 @@ def gated_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
     return [*steps, ("free", "g_in")]
 
 
+def gated_mlp_first_forward(ctx: LayerContext, tokens: int) -> list[ForwardStep]:
+    """A checkpointed dense gated MLP's first forward (checkpoint's hooks keep nothing), as the
+    traced step runs transformers' MLP: each output freed once nothing reads it. Separate
+    projections: gate, act(gate), gate freed, up, the product, act and up freed, down_proj's
+    output, the product freed; one gate_up_proj: its output (of which gate and up are views,
+    alive until the MLP returns), act(gate), the product, act freed, down_proj's output, the
+    product freed. down_proj's output is left for the caller to free once the residual sum is
+    made. Empty where adapters, memplan's GLU kernel, biases or dropout change the ops."""
+    spec = ctx.spec
+    glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in ctx.kernels
+    if (
+        not ctx.setup.grad_checkpointing
+        or ctx.moe
+        or glu
+        or ctx.setup.lora_rank
+        or spec.mlp_bias
+        or spec.residual_dropout
+        or spec.post_norm
+    ):
+        return []
+    p = ctx.dtypes.proj
+    inter, hidden = tokens * p * spec.intermediate_size, tokens * p * spec.hidden_size
+    if spec.fused_gate_up:
+        steps: list[ForwardStep] = [("alloc", "gate_up", 2 * inter), ("alloc", "act", inter)]
+        steps += [("alloc", "product", inter), ("free", "act"), ("alloc", "down", hidden)]
+        return [*steps, ("free", "product"), ("free", "gate_up")]
+    steps = [("alloc", "gate", inter), ("alloc", "act", inter), ("free", "gate")]
+    steps += [("alloc", "up", inter), ("alloc", "product", inter), ("free", "act")]
+    return [*steps, ("free", "up"), ("alloc", "down", hidden), ("free", "product")]
+
+
 def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
     """Llama 4's MoE block backward, in autograd's order, as allocations, frees and high points
     (bytes for `tokens` rows): the experts' output gradient, a copy of the sum's expanded
@@ -928,8 +960,8 @@ def every_expert_moe_backward(ctx: LayerContext, tokens: int) -> list[BackwardSt
         if not ctx.trainable_base:
             return [], []
         if not amp:
-            return [("grad", d.param * elements)], []
-        return [("alloc", key, p * elements)], [("grad", d.param * elements), ("free", key)]
+            return [("grad_kept", d.param * elements)], []
+        return [("alloc", key, p * elements)], [("grad_kept", d.param * elements), ("free", key)]
 
     # the residual's gradient, fp32 under autocast: the walk's running gradient has p bytes
     steps: list[BackwardStep] = [("alloc", "g_residual", t * (res - p) * h)] if amp else []

@@ -35,6 +35,7 @@ from memplan.estimators.contracts import (
     every_expert_moe_peaks,
     fused_attention_kernel,
     gated_mlp_backward,
+    gated_mlp_first_forward,
     gemma_norms,
     kv_cache_shares_saved,
     kv_path_saved,
@@ -230,6 +231,13 @@ class ForwardSaved:
     # per layer, the grouped experts' temporaries where its MoE block saves nothing
     # (grouped_experts.unsaved_experts_program; empty elsewhere)
     unsaved_experts: list[list[ForwardStep]] = field(default_factory=list)
+    # per layer, a checkpointed dense MLP's first forward (contracts.gated_mlp_first_forward;
+    # empty elsewhere)
+    mlp_first_forward: list[list[ForwardStep]] = field(default_factory=list)
+    # per layer, whether the walk plays a checkpointed layer's first forward: under LoRA, and
+    # in models without gated DeltaNet layers (whose chunk loop's tensors it does not follow
+    # there)
+    first_forward: list[bool] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -307,6 +315,7 @@ def forward_saved(
     mlp_backward: dict[tuple[bool, ...], list[BackwardStep]] = {}
     programs: dict[tuple[bool, ...], dict[str, list[ForwardStep]]] = {}
     unsaved: dict[tuple[bool, ...], list[ForwardStep]] = {}
+    first_mlp: dict[tuple[bool, ...], list[ForwardStep]] = {}
     for ctx in contexts:
         kind = layer_kind(ctx)
         if kind not in by_kind:
@@ -317,6 +326,7 @@ def forward_saved(
             programs[kind].update(forward_programs(ctx, saved, tokens))
             programs[kind].update(experts_programs(ctx, saved, tokens))
             unsaved[kind] = unsaved_experts_program(ctx, saved, tokens)
+            first_mlp[kind] = gated_mlp_first_forward(ctx, tokens)
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
             after = saved_allocations(saved, tokens, AFTER_ATTENTION)
             by_kind[kind] = ([blocks(n) for n in before], [blocks(n) for n in after])
@@ -374,6 +384,8 @@ def forward_saved(
         recomputed_before_names=[before_names[layer_kind(ctx)][1] for ctx in contexts],
         forward_programs=[programs[layer_kind(ctx)] for ctx in contexts],
         unsaved_experts=[unsaved[layer_kind(ctx)] for ctx in contexts],
+        mlp_first_forward=[first_mlp[layer_kind(ctx)] for ctx in contexts],
+        first_forward=[lora or not spec.linear_attention_layers] * len(contexts),
         forward_masks=[]
         if setup.grad_checkpointing
         else [blocks(n) for n in chunked_model_masks(setup, dtypes, contexts)],
@@ -1565,10 +1577,10 @@ def walk_step(
         for held in saved.moe_peaks[index] if saved.moe_peaks else ():
             builder.mark("forward", f"layer {index}", held + held_by_model)
         cached_copies += [builder.alloc("autocast_cache", n) for n in moe_copies]
-        if ckpt:
-            if lora:  # peft's adapters make the first forward's temporaries (no_grad_forward)
-                builder.free_all(no_grad_forward(builder, saved, sizes, index))
+        if ckpt:  # down_proj's output is freed once the residual sum is made
+            held_to_output = no_grad_forward(builder, saved, sizes, index)
             layer_kept.append((builder.alloc_all("activations", [sizes.residual]), []))
+            builder.free_all(held_to_output)
         else:
             by_name = bool(sizes.attention_bwd_steps[index])
             programs = saved.forward_programs[index] if saved.forward_programs else {}
@@ -1901,19 +1913,36 @@ def _play_blocks(builder: StepBuilder, label: str, blocks: list) -> None:
 def no_grad_forward(
     builder: StepBuilder, saved: ForwardSaved, sizes: StepSizes, index: int
 ) -> list[int]:
-    """A checkpointed layer's first forward where programs surround its entries (LoRA), under
-    no_grad: what its recomputation makes, attention's freed once the MLP starts, the MLP's
-    returned for the caller to free, so their segments exist before backward as in the real
-    run. Unmarked: the allocated high point is the recomputation's."""
+    """A checkpointed layer's first forward (checkpoint's hooks keep nothing), so that its
+    segments exist before backward as in the real run: where programs surround its entries
+    (adapters, norms, eager scores) what its recomputation makes, attention's freed once the
+    MLP starts; the MLP's freed after it, or, for a dense MLP as transformers runs it, its own
+    program (contracts.gated_mlp_first_forward), whose last output is returned for the caller
+    to free once the layer's output is made. Unmarked: the allocated high point is the
+    recomputation's."""
     programs = saved.forward_programs[index] if saved.forward_programs else {}
-    if not programs:
+    mlp = saved.mlp_first_forward[index] if saved.mlp_first_forward else []
+    if not (programs or mlp) or not saved.first_forward[index]:
         return []
     before, after = saved.recomputed_entries[index]
     by_name = bool(sizes.attention_bwd_steps[index])
     names = saved.recomputed_before_names[index]
     part = alloc_saved(builder, before, by_name, "transient", names, programs, False, False)
     builder.free_all(part)
-    return alloc_saved_after(builder, saved, index, after, "transient", marked=False, grad=False)
+    if not mlp:
+        builder.free_all(
+            alloc_saved_after(builder, saved, index, after, "transient", marked=False, grad=False)
+        )
+        return []
+    # the MLP's norm, then its own ops (the norm's output read by its first two matmuls)
+    names = saved.after_names[index]
+    norm = [n for n, name in zip(after, names, strict=True) if not name.startswith("mlp.")]
+    norm_names = [name for name in names if not name.startswith("mlp.")]
+    part = alloc_saved(builder, norm, False, "transient", norm_names, programs, False, False)
+    held: dict[str, int | None] = {}
+    play_forward(builder, mlp, list, [], marked=False, held=held)
+    builder.free_all(part)
+    return list(held.values())
 
 
 def alloc_saved_after(
