@@ -4,7 +4,7 @@ a fresh process under the measurement protocol; did it run or run out of memory 
 and how close is the predicted reserved peak.
 
     python benchmarks/measure_fit_grid.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups grid|held-out|new-families|held-out-2|gated-norm|fla]
+        [--setups grid|held-out|new-families|held-out-2|gated-norm|fla|checkpointed]
     python benchmarks/measure_fit_grid.py measure PREDICTIONS.json --out-dir DIR [--only RE]
     python benchmarks/measure_fit_grid.py table PREDICTIONS.json RESULTS.json
 
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.first_predictions import main, measure_predicted  # noqa: E402
-from memplan.advisor import SEQ_STEP, advise  # noqa: E402
+from memplan.advisor import SEQ_STEP, advise, judge  # noqa: E402
 from memplan.catalog import resolve_gpu, resolve_model  # noqa: E402
 from memplan.schema import Report, VerifyCase  # noqa: E402
 from memplan.verify.protocol import case_name  # noqa: E402
@@ -98,6 +98,15 @@ FLA: list[tuple[str, str, dict[str, Any]]] = [
     ("qwen3.5-0.8b", "auto", {"deltanet_kernels": "fla"}),
     ("qwen3.5-0.8b", "auto", {"deltanet_kernels": "fla", "lora_rank": 16}),
 ]
+# Checkpointed full fine-tunes on families no checkpointed case was measured on, written after
+# the walk played a checkpointed layer's first forward: separate and fused MLP projections,
+# eager attention's scores, amp.
+CHECKPOINTED: list[tuple[str, str, dict[str, Any]]] = [
+    ("mistral-7b-v0.3", "none", {"grad_checkpointing": True}),
+    ("phi-3-mini", "none", {"grad_checkpointing": True}),
+    ("gemma-2-2b", "none", {"grad_checkpointing": True, "attn": "eager"}),
+    ("llama-3.2-3b", "none", {"grad_checkpointing": True, "precision": "amp-bf16"}),
+]
 SETUP_SETS = {
     "grid": SETUPS,
     "held-out": HELD_OUT,
@@ -105,6 +114,7 @@ SETUP_SETS = {
     "held-out-2": HELD_OUT_2,
     "gated-norm": GATED_NORM,
     "fla": FLA,
+    "checkpointed": CHECKPOINTED,
 }
 SEQ = 2048
 # Below this many sequences a batch step moves the peak too far: the edge is found in the
@@ -139,6 +149,9 @@ def edge_cases(model: str, kernels: str, options: dict[str, Any], gpu_name: str)
         reserved = answer.estimate.reserved
         assert reserved is not None
         setup = answer.setup
+        # the analytic replay's verdict too, where the traced step decides advise's
+        analytic = judge(spec, setup, gpu).reserved
+        assert analytic is not None
         cases.append(
             {
                 "case": VerifyCase(
@@ -154,6 +167,8 @@ def edge_cases(model: str, kernels: str, options: dict[str, Any], gpu_name: str)
                 "runs": answer.fits,
                 "reserved_bytes": reserved.reserved_bytes,
                 "reserved_method": reserved.method,
+                "analytic_runs": analytic.runs,
+                "analytic_reserved_bytes": analytic.reserved_bytes,
                 "oom_at": reserved.oom_label,
                 "advised_max_batch": answer.max_batch,
                 "advised_max_seq": answer.max_seq,
