@@ -905,6 +905,27 @@ def gated_mlp_backward(ctx: LayerContext, tokens: int) -> list[BackwardStep]:
     return [*steps, ("free", "g_in")]
 
 
+def fused_qkv_programs(
+    ctx: LayerContext, saved: Saved, tokens: int, programs: dict[str, list[ForwardStep]]
+) -> dict[str, list[ForwardStep]]:
+    """One qkv_proj's output (Phi-3), of which q, k and v are views: alive from before the
+    saved q, k and v (RoPE's outputs) until attention's output is made. None where another
+    program surrounds those entries or they are not saved."""
+    spec = ctx.spec
+    names = {name for name, _, _ in saved.tensors}
+    if not spec.fused_qkv or not {"attn.qkv", "attn.out"} <= names:
+        return {}
+    if "attn.qkv" in programs or "attn.out" in programs:
+        return {}
+    q_out = spec.num_attention_heads * spec.head_dim
+    kv_out = spec.num_key_value_heads * spec.head_dim
+    fused = tokens * ctx.dtypes.proj * (q_out + 2 * kv_out)
+    return {
+        "attn.qkv": [("alloc", "attn.fused_qkv", fused), ("saved",)],
+        "attn.out": [("saved",), ("free", "attn.fused_qkv")],
+    }
+
+
 def gated_mlp_first_forward(ctx: LayerContext, tokens: int) -> list[ForwardStep]:
     """A checkpointed dense gated MLP's first forward (checkpoint's hooks keep nothing), as the
     traced step runs transformers' MLP: each output freed once nothing reads it. Separate

@@ -34,6 +34,7 @@ from memplan.estimators.contracts import (
     every_expert_moe_backward,
     every_expert_moe_peaks,
     fused_attention_kernel,
+    fused_qkv_programs,
     gated_mlp_backward,
     gated_mlp_first_forward,
     gemma_norms,
@@ -325,6 +326,7 @@ def forward_saved(
             programs[kind].update(scores_programs(ctx, saved, tokens))
             programs[kind].update(forward_programs(ctx, saved, tokens))
             programs[kind].update(experts_programs(ctx, saved, tokens))
+            programs[kind].update(fused_qkv_programs(ctx, saved, tokens, programs[kind]))
             unsaved[kind] = unsaved_experts_program(ctx, saved, tokens)
             first_mlp[kind] = gated_mlp_first_forward(ctx, tokens)
             before = saved_allocations(saved, tokens, AFTER_ATTENTION, matching=False)
@@ -853,8 +855,7 @@ def step_sizes(spec: ModelSpec, setup: TrainSetup, gpu: Gpu | None, backend: str
         layer_fwd_transient=[
             deltanet_forward_transient(ctx, tokens)
             if ctx.spec.deltanet
-            else [tokens * p * ctx.spec.num_attention_heads * w for w in qkv_widths(ctx.spec)]
-            + [tokens * dtypes.residual * h] * 2
+            else raw_qkv(ctx, tokens) + [tokens * dtypes.residual * h] * 2
             for ctx in contexts
         ],
         # Adapters' weights under LoRA, else every layer's matmul weights (lm_head's copy is
@@ -993,6 +994,15 @@ def embedding_backward_scratch(
     return [], embedding_backward_bytes(tokens, spec.hidden_size, spec.vocab_size)
 
 
+def raw_qkv(ctx: LayerContext, tokens: int) -> list[int]:
+    """Bytes of q, k and v as the projections make them: one fused qkv_proj output, of which
+    they are views, else three tensors."""
+    sizes = [
+        tokens * ctx.dtypes.proj * ctx.spec.num_attention_heads * w for w in qkv_widths(ctx.spec)
+    ]
+    return [sum(sizes)] if ctx.spec.fused_qkv else sizes
+
+
 def qkv_widths(layer: ModelSpec) -> tuple[int, int, int]:
     """Per head, the widths of the three head-sized tensors a layer's attention makes before
     its core: q, k, v (head_dim each), or latent attention's q, k and kv_b_proj's output."""
@@ -1058,14 +1068,15 @@ def attention_backward_transient(
     layer: ModelSpec, tokens: int, p: int, cudnn: bool = False
 ) -> list[int]:
     """What one layer's (a ModelSpec.layer view) fused attention backward holds: dq, dk, dv and
-    its scratch: cuDNN's workspace for an unmasked call (two fp32 tensors of q's size, an fp32
-    per query row and 512 bytes: traced/sdpa.backward_scratch_bytes, every recorded H100
-    trace), else an fp32 dq accumulator."""
+    its scratch: cuDNN's workspace for an unmasked call (fp32 tensors of q's size, two with
+    grouped KV heads and one without, an fp32 per query row and 512 bytes:
+    traced/sdpa.backward_scratch_bytes), else an fp32 dq accumulator."""
     nh, kv, hd = layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
     vd = layer.value_dim  # latent attention's v heads are narrower than q's and k's
     dq, dk = tokens * p * nh * hd, tokens * p * kv * hd
     accumulator = tokens * FP32 * nh * hd
-    scratch = 2 * accumulator + tokens * nh * FP32 + 512 if cudnn else accumulator
+    q_sized = 2 if kv < nh else 1
+    scratch = q_sized * accumulator + tokens * nh * FP32 + 512 if cudnn else accumulator
     return [dq, dk, tokens * p * kv * vd, scratch]
 
 

@@ -309,10 +309,12 @@ def backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
     before it returns (invisible on meta tensors).
 
     cuDNN: its graph's workspace, one block: fp32 tensors of q's size, two for a causal (or
-    unmasked) call and one with a mask, an fp32 (batch, heads, q) row statistic and 512 bytes of
-    alignment (every cuDNN backward of the recorded H100 traces, head dims 64-256, sliding-window
-    masks among them). Flash: an fp32 dq accumulator of q's size (dq_accum); with grouped heads
-    it also expands dk and dv to every query head before summing them (mha_bwd).
+    unmasked) call with grouped KV heads and one with a mask or as many KV heads as query heads,
+    an fp32 (batch, heads, q) row statistic and 512 bytes of alignment (every cuDNN backward of
+    the recorded H100 traces, head dims 64-256, sliding-window masks among them; an H200 probe
+    of head dims 64-256 and 1-32 KV heads of 32, causal: docs/fit_verdict.md). Flash: an fp32
+    dq accumulator of q's size (dq_accum); with grouped heads it also expands dk and dv to every
+    query head before summing them (mha_bwd).
     Memory-efficient: an fp32 (batch, heads, q) delta and, in fp16/bf16, an fp32 dq
     accumulator."""
     name = func.overloadpacket.__name__
@@ -326,7 +328,7 @@ def backward_scratch_bytes(func: torch._ops.OpOverload, args: tuple) -> int:
         return rows * 4 + accumulator
     if name == "_scaled_dot_product_cudnn_attention_backward":
         masked = len(args) > 8 and args[8] is not None  # args[8]: the additive mask (attn_bias)
-        q_sized = 1 if masked else 2
+        q_sized = 1 if masked or key.shape[1] == h else 2
         return q_sized * rows * d * 4 + rows * 4 + CUDNN_WORKSPACE_ALIGNMENT
     scratch = rows * d * 4
     if name == "_scaled_dot_product_flash_attention_backward" and key.shape[1] != h:

@@ -301,22 +301,32 @@ def test_math_attention_adds_its_mask_in_place_and_masks_empty_rows_beside_the_p
     assert records.count(("alloc", scores * 4)) == 2
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked"])
-def test_cudnn_attention_backward_takes_the_workspace_the_h100_traces_show(masked: bool) -> None:
-    """cuDNN's backward workspace in every H100 allocation trace: an fp32 per query row and two
-    fp32 blocks of q's size, one where the kernel is given a bias (gemma-3-1b's sliding layers:
-    16 MiB + 64 KiB, its full layers 32 MiB + 64 KiB), and 512 bytes of alignment."""
+@pytest.mark.parametrize(
+    "masked,kv_heads,q_sized",
+    [(False, 2, 2), (False, 4, 1), (True, 4, 1)],
+    ids=["causal-grouped", "causal", "masked"],
+)
+def test_cudnn_attention_backward_takes_the_workspace_the_gpu_shows(
+    masked: bool, kv_heads: int, q_sized: int
+) -> None:
+    """cuDNN's backward workspace: an fp32 per query row, fp32 blocks of q's size (two with
+    grouped KV heads, as every H100 trace of a causal grouped-head model shows; one with as many
+    KV heads as query heads, as an H200 probe shows, or where the kernel is given a bias:
+    gemma-3-1b's sliding layers, 16 MiB + 64 KiB, its full layers 32 MiB + 64 KiB) and 512
+    bytes of alignment."""
     recorder = Recorder()
     q = torch.empty(2, 4, 64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.empty_like(q, requires_grad=True) for _ in range(2))
+    k, v = (
+        torch.empty(2, kv_heads, 64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
     mask = torch.ones(64, 64, device="meta", dtype=torch.bool).tril() if masked else None
     with AllocationTracker(recorder), CudaSemantics(None, (9, 0)) as semantics:
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=not masked
+            q, k, v, attn_mask=mask, is_causal=not masked, enable_gqa=kv_heads != 4
         )
         out.sum().backward()
     assert dict(semantics.kernels) == {"cudnn": 1}
     rows = 2 * 4 * 64
     workspace = [r.nbytes for r in recorder.records if recorder.storages[r.key].tag == "transient"]
-    q_sized = 1 if masked else 2
     assert workspace == [rows * 4 + q_sized * rows * 32 * 4 + CUDNN_WORKSPACE_ALIGNMENT] * 2
