@@ -106,7 +106,7 @@ def recomputed_experts_peak(ctx: LayerContext, tokens: int) -> int | None:
     return max(0, total)
 
 
-def experts_backward_start(ctx: LayerContext, tokens: int) -> int | None:
+def experts_backward_start(ctx: LayerContext, tokens: int) -> list[int] | None:
     """Bytes the experts' backward holds at its start beyond all the layer saved, for `tokens`
     tokens; None where the layer runs no grouped experts or no gradient reaches them. Each of
     k h p_w: the un-permuting index's gradient (new_zeros, then index_put_ in place: autograd
@@ -119,9 +119,9 @@ def experts_backward_start(ctx: LayerContext, tokens: int) -> int | None:
         return None
     spec, d = ctx.spec, ctx.dtypes
     weighted = max(d.param, moe_router_saved(ctx, Saved()))
-    rows = spec.num_experts_per_tok * tokens
-    held = 3 * rows * spec.hidden_size * weighted
-    return max(0, held - shared_backward_frees(ctx, tokens))
+    one = spec.num_experts_per_tok * tokens * spec.hidden_size * weighted
+    # the branch's frees taken off the last of the three (their sum is the high point)
+    return [one, one, max(0, one - shared_backward_frees(ctx, tokens))]
 
 
 def shared_backward_frees(ctx: LayerContext, tokens: int) -> int:

@@ -719,7 +719,7 @@ class StepSizes:
     mlp_bwd_transient: list[list[int]]  # per layer
     # per layer, the grouped experts' backward start (grouped_experts.experts_backward_start),
     # before the MLP's weight gradients exist; None elsewhere
-    moe_bwd_start: list[int | None]
+    moe_bwd_start: list[list[int] | None]
     # gpt-oss's experts: their backward's peak less what the layer saved after attention (the
     # MLP mark then frees those first and holds this beside them); None: the MLP rule above.
     clamped_moe_bwd_delta: int | None
@@ -1787,7 +1787,7 @@ def walk_step(
                 continue
             start = sizes.moe_bwd_start[index]
             if part == "mlp" and start is not None:
-                builder.mark("backward", label, [start])
+                builder.mark("backward", label, start)
             delta = sizes.clamped_moe_bwd_delta
             if part == "mlp" and delta is not None and spec.moe_layer(index):
                 kept_bytes = sum(builder.size_of(t)[0] for t in kept)
