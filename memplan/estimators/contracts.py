@@ -930,16 +930,16 @@ def gated_mlp_first_forward(ctx: LayerContext, tokens: int) -> list[ForwardStep]
     """A checkpointed dense gated MLP's first forward (checkpoint's hooks keep nothing), as the
     traced step runs transformers' MLP: each output freed once nothing reads it. Separate
     projections: gate, act(gate), gate freed, up, the product, act and up freed, down_proj's
-    output, the product freed; one gate_up_proj: its output (of which gate and up are views,
-    alive until the MLP returns), act(gate), the product, act freed, down_proj's output, the
-    product freed. down_proj's output is left for the caller to free once the residual sum is
-    made. Empty where adapters, memplan's GLU kernel, biases or dropout change the ops."""
+    output, the product freed; with memplan's GLU kernel gate and up are both read by the
+    product, then freed. One gate_up_proj: its output (of which gate and up are views, alive
+    until the MLP returns), act(gate) (not with the kernel), the product, down_proj's output.
+    down_proj's output is left for the caller to free once the residual sum is made. Empty
+    where adapters, biases or dropout change the ops."""
     spec = ctx.spec
     glu = GLU_KERNEL_BY_ACTIVATION.get(spec.hidden_act) in ctx.kernels
     if (
         not ctx.setup.grad_checkpointing
         or ctx.moe
-        or glu
         or ctx.setup.lora_rank
         or spec.mlp_bias
         or spec.residual_dropout
@@ -949,9 +949,15 @@ def gated_mlp_first_forward(ctx: LayerContext, tokens: int) -> list[ForwardStep]
     p = ctx.dtypes.proj
     inter, hidden = tokens * p * spec.intermediate_size, tokens * p * spec.hidden_size
     if spec.fused_gate_up:
-        steps: list[ForwardStep] = [("alloc", "gate_up", 2 * inter), ("alloc", "act", inter)]
-        steps += [("alloc", "product", inter), ("free", "act"), ("alloc", "down", hidden)]
+        steps: list[ForwardStep] = [("alloc", "gate_up", 2 * inter)]
+        steps += [("alloc", "product", inter)] if glu else [("alloc", "act", inter)]
+        steps += [] if glu else [("alloc", "product", inter), ("free", "act")]
+        steps += [("alloc", "down", hidden)]
         return [*steps, ("free", "product"), ("free", "gate_up")]
+    if glu:
+        steps = [("alloc", "gate", inter), ("alloc", "up", inter), ("alloc", "product", inter)]
+        steps += [("free", "gate"), ("free", "up")]
+        return [*steps, ("alloc", "down", hidden), ("free", "product")]
     steps = [("alloc", "gate", inter), ("alloc", "act", inter), ("free", "gate")]
     steps += [("alloc", "up", inter), ("alloc", "product", inter), ("free", "act")]
     return [*steps, ("free", "up"), ("alloc", "down", hidden), ("free", "product")]
