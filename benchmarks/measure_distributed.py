@@ -6,7 +6,7 @@ FSDP2 with CPU offload (two models, 2 and 8 ranks, with and without checkpointin
 of DeepSpeed ZeRO 1-3 on 2 GPUs, which run as torchrun processes only (--ranks torchrun).
 
     python benchmarks/measure_distributed.py predict --gpu h100 --out PREDICTIONS.json
-        [--setups all|amp-checkpointed]
+        [--setups all|amp-checkpointed|amp-checkpointed-2]
     python benchmarks/measure_distributed.py measure PREDICTIONS.json --out-dir DIR [--only RE]
         [--ranks simulated|torchrun|auto]
     python benchmarks/measure_distributed.py table PREDICTIONS.json RESULTS.json
@@ -230,6 +230,14 @@ AMP_CHECKPOINTED: list[tuple[str, int | None, str, dict[str, Any]]] = [
 ]
 
 
+# The same on other models and counts, written after the walk played a checkpointed layer's
+# first forward with memplan's GLU kernel
+AMP_CHECKPOINTED_2: list[tuple[str, int | None, str, dict[str, Any]]] = [
+    (model, None, "auto", {"batch": batch, "strategy": "fsdp2", "gpus": gpus, **AMP_GC})
+    for model, batch, gpus in (("qwen3-4b", 4, 8), ("llama-3.2-1b", 8, 4), ("gemma-2-2b", 4, 4))
+]
+
+
 def planned(model: str, layers: int | None, kernels: str, fields: dict[str, Any], gpu: Any):
     spec = resolve_model(model)
     if layers is not None:
@@ -262,6 +270,8 @@ def predict(args: argparse.Namespace) -> int:
     gpu = resolve_gpu(args.gpu)
     if args.setups == "amp-checkpointed":
         runs = [planned(*case, gpu) for case in AMP_CHECKPOINTED]
+    elif args.setups == "amp-checkpointed-2":
+        runs = [planned(*case, gpu) for case in AMP_CHECKPOINTED_2]
     else:
         runs = [planned(*case, gpu) for case in CASES] + gemma_7b_cases(gpu)
     return write_predictions(runs, gpu, Path(args.out))
@@ -276,5 +286,5 @@ def measure(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sets = ("all", "amp-checkpointed")
+    sets = ("all", "amp-checkpointed", "amp-checkpointed-2")
     sys.exit(main(__doc__, predict, measure, table, timeout_s=600, setup_sets=sets))
