@@ -926,7 +926,7 @@ def suggestions(
 
 # How each strategy's memory model was checked (docs/distributed.md).
 STRATEGY_CHECKS = {
-    "fsdp2": "32 cases measured on H100s and an H200: within 1.45% (6 under amp with "
+    "fsdp2": "35 cases measured on H100s and an H200: within 1.45% (9 under amp with "
     "checkpointing, predicted before they ran: within 4.15% then); 4 also on two real GPUs, as "
     "simulated",
     "ddp": "6 cases measured on H100s: within 0.01%; some runs hold one more bf16 gradient copy",
