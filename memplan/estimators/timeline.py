@@ -235,10 +235,9 @@ class ForwardSaved:
     # per layer, a checkpointed dense MLP's first forward (contracts.gated_mlp_first_forward;
     # empty elsewhere)
     mlp_first_forward: list[list[ForwardStep]] = field(default_factory=list)
-    # per layer, whether the walk plays a checkpointed layer's first forward: under LoRA, and
-    # in models without gated DeltaNet layers (whose chunk loop's tensors it does not follow
-    # there)
-    first_forward: list[bool] = field(default_factory=list)
+    # whether the walk plays a checkpointed layer's first forward: under LoRA, and in models
+    # without gated DeltaNet layers (whose chunk loop's tensors it does not follow there)
+    first_forward: bool = True
 
     @property
     def layers(self) -> list[int]:
@@ -387,7 +386,7 @@ def forward_saved(
         forward_programs=[programs[layer_kind(ctx)] for ctx in contexts],
         unsaved_experts=[unsaved[layer_kind(ctx)] for ctx in contexts],
         mlp_first_forward=[first_mlp[layer_kind(ctx)] for ctx in contexts],
-        first_forward=[lora or not spec.linear_attention_layers] * len(contexts),
+        first_forward=lora or not spec.linear_attention_layers,
         forward_masks=[]
         if setup.grad_checkpointing
         else [blocks(n) for n in chunked_model_masks(setup, dtypes, contexts)],
@@ -1933,7 +1932,7 @@ def no_grad_forward(
     recomputation's."""
     programs = saved.forward_programs[index] if saved.forward_programs else {}
     mlp = saved.mlp_first_forward[index] if saved.mlp_first_forward else []
-    if not (programs or mlp) or not saved.first_forward[index]:
+    if not (programs or mlp) or not saved.first_forward:
         return []
     before, after = saved.recomputed_entries[index]
     by_name = bool(sizes.attention_bwd_steps[index])
