@@ -1944,13 +1944,17 @@ def no_grad_forward(
             alloc_saved_after(builder, saved, index, after, "transient", marked=False, grad=False)
         )
         return []
-    # the MLP's norm, then its own ops (the norm's output read by its first two matmuls)
+    # what comes before the MLP (its norm, whose output its first two matmuls read), its own
+    # ops, then what comes after it (a post-MLP norm: plain, its program reads the MLP's)
     names = saved.after_names[index]
-    norm = [n for n, name in zip(after, names, strict=True) if not name.startswith("mlp.")]
-    norm_names = [name for name in names if not name.startswith("mlp.")]
-    part = alloc_saved(builder, norm, False, "transient", norm_names, programs, False, False)
+    at = [i for i, name in enumerate(names) if name.startswith("mlp.")] or [len(names)]
+    first, last = at[0], at[-1] + 1
+    part = alloc_saved(
+        builder, after[:first], False, "transient", names[:first], programs, False, False
+    )
     held: dict[str, int | None] = {}
     play_forward(builder, mlp, list, [], marked=False, held=held)
+    part += builder.alloc_all("transient", after[last:])
     builder.free_all(part)
     return list(held.values())
 
