@@ -5,6 +5,7 @@ torch.cuda.memory._record_memory_history; benchmarks/record_allocator_traces.py)
 from __future__ import annotations
 
 import gzip
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,18 @@ from memplan.verify.predict import measured_gpu, ran_setup, spec_from_hf_config
 from memplan.verify.report import load_reports
 
 MIB = 2**20
-TRACES = sorted((Path(__file__).parent / "data" / "allocator_traces").glob("*.json.gz"))
+TRACE_DIR = Path(__file__).parent / "data" / "allocator_traces"
+TRACES = sorted(TRACE_DIR.glob("*.json.gz"))
+
+
+def recorded_run(name: str) -> Measurement:
+    """The recorded run of tests/data/allocator_traces/<name>.json.gz."""
+    return Measurement.model_validate_json(gzip.open(TRACE_DIR / f"{name}.json.gz", "rt").read())
+
+
+@cache
+def measurements(path: Path) -> list[Measurement]:
+    return load_reports([path]).measurements
 
 
 def trace_events(measurement: Measurement) -> list[Event]:
@@ -97,8 +109,7 @@ ANALYTIC_TRACES = [
 def test_the_analytic_stream_reserves_what_the_recorded_run_reserved(name: str) -> None:
     """The walk's own event stream (estimators/timeline.py), replayed through the allocator
     model, against max_memory_reserved() of the run recorded on an H100: within 2.5%."""
-    path = Path(__file__).parent / "data" / "allocator_traces" / f"{name}.json.gz"
-    m = Measurement.model_validate_json(gzip.open(path, "rt").read())
+    m = recorded_run(name)
     spec = spec_from_hf_config(m.hf_config, m.model)
     gpu = measured_gpu(m, resolve_gpu("H100"))
     assert gpu is not None
@@ -109,7 +120,7 @@ def test_the_analytic_stream_reserves_what_the_recorded_run_reserved(name: str) 
 
 def judged_measurement(path: Path, index: int, gpu_name: str) -> tuple[Measurement, Any]:
     """A measured case that ran and the walk's judged estimate of it on the GPU it ran on."""
-    m = load_reports([path]).measurements[index]
+    m = measurements(path)[index]
     assert m.status == "ok" and m.reserved_bytes
     gpu = measured_gpu(m, resolve_gpu(gpu_name))
     assert gpu is not None
@@ -160,8 +171,7 @@ FIXED_ON_TRACES = {
 
 @pytest.mark.parametrize("name", FIXED_ON_TRACES)
 def test_the_analytic_stream_makes_the_segments_of_the_traces_it_was_fixed_on(name: str) -> None:
-    path = Path(__file__).parent / "data" / "allocator_traces" / f"{name}.json.gz"
-    m = Measurement.model_validate_json(gzip.open(path, "rt").read())
+    m = recorded_run(name)
     gpu = measured_gpu(m, resolve_gpu(FIXED_ON_TRACES[name]))
     assert gpu is not None
     predicted = predict_reserved(spec_from_hf_config(m.hf_config, m.model), ran_setup(m), gpu)
@@ -226,7 +236,7 @@ def test_the_analytic_stream_reserves_what_the_runs_it_was_fixed_on_reserved(
     name: str, case: str, gpu_name: str, tolerance: float
 ) -> None:
     path = Path(__file__).parents[1] / name
-    index = next(i for i, m in enumerate(load_reports([path]).measurements) if m.case == case)
+    index = next(i for i, m in enumerate(measurements(path)) if m.case == case)
     m, predicted = judged_measurement(path, index, gpu_name)
     assert predicted.reserved is not None
     assert predicted.reserved.reserved_bytes == pytest.approx(m.reserved_bytes, rel=tolerance)
@@ -272,8 +282,7 @@ SCRATCH_TRACES = {
 def test_the_analytic_stream_allocates_the_recorded_kernels_scratch(name: str) -> None:
     """The walk's stream over the recorded run's steps allocates each of these scratch blocks as
     many times as the run did (estimators/kernel_scratch.py, shared with the traced step)."""
-    path = Path(__file__).parent / "data" / "allocator_traces" / f"{name}.json.gz"
-    m = Measurement.model_validate_json(gzip.open(path, "rt").read())
+    m = recorded_run(name)
     spec = spec_from_hf_config(m.hf_config, m.model)
     setup = ran_setup(m)
     sizes = step_sizes(spec, setup, measured_gpu(m, resolve_gpu("H100")), "cuda")

@@ -950,8 +950,10 @@ def gated_mlp_first_forward(ctx: LayerContext, tokens: int) -> list[ForwardStep]
     inter, hidden = tokens * p * spec.intermediate_size, tokens * p * spec.hidden_size
     if spec.fused_gate_up:
         steps: list[ForwardStep] = [("alloc", "gate_up", 2 * inter)]
-        steps += [("alloc", "product", inter)] if glu else [("alloc", "act", inter)]
-        steps += [] if glu else [("alloc", "product", inter), ("free", "act")]
+        if glu:
+            steps += [("alloc", "product", inter)]
+        else:
+            steps += [("alloc", "act", inter), ("alloc", "product", inter), ("free", "act")]
         steps += [("alloc", "down", hidden)]
         return [*steps, ("free", "product"), ("free", "gate_up")]
     if glu:

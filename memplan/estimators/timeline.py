@@ -994,8 +994,8 @@ def embedding_backward_scratch(
 
 
 def raw_qkv(ctx: LayerContext, tokens: int) -> list[int]:
-    """Bytes of q, k and v as the projections make them: one fused qkv_proj output, of which
-    they are views, else three tensors."""
+    """The forward mark's raw q, k and v, each as wide as q (with RoPE's rotate_half
+    temporaries); one block of their sum where one qkv_proj makes them (its views)."""
     sizes = [
         tokens * ctx.dtypes.proj * ctx.spec.num_attention_heads * w for w in qkv_widths(ctx.spec)
     ]
